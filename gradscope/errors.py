@@ -1,0 +1,13 @@
+"""Errors that the command line reports as one line and exit code 2."""
+
+
+class GradscopeError(Exception):
+    """Base class: a problem with the user's input, reported without a traceback."""
+
+
+class RunFileError(GradscopeError):
+    """A run file is missing, not HDF5, of an unknown or newer schema, or lacks required fields."""
+
+
+class ProbeError(GradscopeError):
+    """The probe was used incorrectly (unknown agent, step not open, ...)."""
