@@ -1,0 +1,4 @@
+"""Per-agent gradient probes: the Gram matrix of a step's per-agent gradients."""
+from gradscope.probe.probe import METHODS, Probe, ProbeStep, StepResult
+
+__all__ = ["METHODS", "Probe", "ProbeStep", "StepResult"]

@@ -1,0 +1,199 @@
+"""The probe: per-agent Gram matrices of a training step's gradient.
+
+A training loop declares its agents and their roles once, then wraps each optimizer step::
+
+    probe = Probe(model, agents=["voter0", "voter1", "voter2", "aggregator"],
+                  roles={"voter0": "voter", "voter1": "voter", "voter2": "voter",
+                         "aggregator": "aggregator"})
+    with probe.step(step=t) as s:
+        for batch in micro_batches:               # gradient accumulation is fine
+            s.backward({"voter0": l0, ..., "aggregator": l3})   # Σ terms = the ordinary loss
+    result = s.result                             # StepResult: gram (K, K), tokens (K,)
+    optimizer.step()                              # .grad is exactly what loss.backward() leaves
+
+Each loss term must be normalised exactly as inside the full loss, so that ``Σ_k g_k = g``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from gradscope.errors import ProbeError
+from gradscope.peft_support import adapter_parameters
+from gradscope.probe.groups import GroupSpec, assign_groups
+from gradscope.probe.method import GramMethod
+from gradscope.probe.split import SplitMethod
+
+#: Available ways to measure the Gram; see docs/probe.md.
+METHODS: dict[str, type[GramMethod]] = {"split": SplitMethod}
+
+ParamsLike = Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the probe measured for one optimizer step.
+
+    Attributes:
+        step: the training step the caller passed.
+        policy: the policy (parameter set) this optimizer step updates, or None.
+        gram: (K, K) float64, ``M_kl = <g_k, g_l>`` over all probed parameters.
+        group_gram: (G, K, K) float64, the same restricted to each parameter group (``Σ_g = gram``).
+        tokens: (K,) int64, tokens attributed to each agent during the step.
+    """
+
+    step: int
+    policy: str | None
+    gram: np.ndarray
+    group_gram: np.ndarray
+    tokens: np.ndarray
+
+    @property
+    def finite(self) -> bool:
+        """False when any gradient entry was NaN or infinite."""
+        return bool(np.isfinite(self.gram).all())
+
+
+class Probe:
+    """Measures the per-agent Gram of every probed step of a model.
+
+    Args:
+        model: the trained module. Its parameters are probed unless ``params`` is given.
+        agents: agent names, in the order of the Gram's rows (K of them).
+        roles: agent name → role name, for every agent.
+        params: the parameters to probe, as ``(name, param)`` pairs or bare parameters (then named
+            by position). Default: every parameter with ``requires_grad`` plus every peft LoRA
+            parameter, trainable or not (peft switches inactive adapters off).
+        groups: per-group Grams: None (one group ``"all"``), ``"adapter"``, ``"layer"``, a function
+            name → group, or ``{group: [name prefixes]}``.
+        method: how to measure: ``"split"`` (one backward per agent).
+    """
+
+    def __init__(self, model: nn.Module | None, agents: Sequence[str], roles: Mapping[str, str], *,
+                 params: ParamsLike | None = None, groups: GroupSpec = None,
+                 method: str = "split") -> None:
+        if len(set(agents)) != len(agents) or not agents:
+            raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
+        missing = [a for a in agents if a not in roles]
+        if missing:
+            raise ProbeError(f"no role given for agents {missing}")
+        if method not in METHODS:
+            raise ProbeError(f"unknown probe method {method!r}; available: {sorted(METHODS)}")
+        self.agents = list(agents)
+        self.agent_roles = [roles[a] for a in self.agents]
+        self.roles = list(dict.fromkeys(self.agent_roles))
+        named = _named_params(model, params)
+        if not named:
+            raise ProbeError("nothing to probe: no trainable parameters")
+        self.param_names = [n for n, _ in named]
+        self.groups, group_index = assign_groups(self.param_names, groups)
+        self.group_sizes = [0] * len(self.groups)
+        for (_, p), g in zip(named, group_index):
+            self.group_sizes[g] += p.numel()
+        self.method_name = method
+        self._method = METHODS[method]([p for _, p in named], group_index, len(self.groups), len(agents))
+        self._index = {a: k for k, a in enumerate(self.agents)}
+        self._open = False
+        self.last: StepResult | None = None
+
+    @contextmanager
+    def step(self, step: int, policy: str | None = None) -> Iterator["ProbeStep"]:
+        """Probe one optimizer step; ``.result`` of the yielded object is set on exit."""
+        if self._open:
+            raise ProbeError("a probed step is already open; steps cannot nest")
+        self._open = True
+        handle = ProbeStep(self, step, policy)
+        self._method.begin()
+        try:
+            yield handle
+        except BaseException:
+            self._method.abort()
+            raise
+        else:
+            grams = self._method.end()
+            handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens)
+        finally:
+            self._open = False
+
+    def agent_index(self, agent: str) -> int:
+        try:
+            return self._index[agent]
+        except KeyError:
+            raise ProbeError(f"unknown agent {agent!r}; declared agents are {self.agents}") from None
+
+
+class ProbeStep:
+    """The handle of an open probed step: attribute loss terms to agents with ``backward``."""
+
+    def __init__(self, probe: Probe, step: int, policy: str | None) -> None:
+        self._probe = probe
+        self.step = step
+        self.policy = policy
+        self.tokens = np.zeros(len(probe.agents), dtype=np.int64)
+        self.result: StepResult | None = None
+
+    def backward(self, losses: Mapping[str, torch.Tensor], tokens: Mapping[str, int] | None = None, *,
+                 retain_graph: bool = False) -> None:
+        """Back-propagate ``Σ_agent losses[agent]`` as ``loss.backward()`` would, attributed per agent.
+
+        Args:
+            losses: agent name → scalar loss term (normalised as inside the full loss).
+            tokens: agent name → number of tokens behind its term, added to the step's counts.
+            retain_graph: keep the graph after the last term, as in ``Tensor.backward``.
+        """
+        terms = []
+        for agent, loss in losses.items():
+            if loss.dim() != 0:
+                raise ProbeError(f"loss term of {agent!r} must be a scalar, got shape {tuple(loss.shape)}")
+            terms.append((self._probe.agent_index(agent), loss))
+        for agent, n in (tokens or {}).items():
+            self.tokens[self._probe.agent_index(agent)] += int(n)
+        self._probe._method.backward(terms, retain_graph)
+
+    def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, *,
+                        retain_graph: bool = False) -> None:
+        """Back-propagate ``token_loss.sum()``, attributing each token to the agent that wrote it.
+
+        Args:
+            token_loss: (B, T) per-token loss, already weighted as in the full loss.
+            agent_ids: (B, T) integer agent index per token; -1 for tokens of no agent (prompt,
+                padding), whose loss must be 0. One agent's tokens may span many sequences.
+        """
+        if token_loss.shape != agent_ids.shape:
+            raise ProbeError(f"token_loss {tuple(token_loss.shape)} and agent_ids {tuple(agent_ids.shape)} "
+                             "must have the same shape")
+        unowned = agent_ids < 0
+        if bool((token_loss.detach()[unowned] != 0).any()):
+            raise ProbeError("tokens with agent id -1 carry non-zero loss; mask them out or attribute them")
+        counts = torch.bincount(agent_ids[~unowned].reshape(-1), minlength=len(self.tokens))
+        if counts.numel() > len(self.tokens):
+            raise ProbeError(f"agent id {counts.numel() - 1} out of range for {len(self.tokens)} agents")
+        self.tokens += counts.cpu().numpy()
+        terms = [(k, token_loss[agent_ids == k].sum()) for k in range(len(self.tokens)) if counts[k] > 0]
+        self._probe._method.backward(terms, retain_graph)
+
+
+def _named_params(model: nn.Module | None, params: ParamsLike | None) -> list[tuple[str, nn.Parameter]]:
+    if params is not None:
+        items = list(params)
+        if items and isinstance(items[0], tuple):
+            named = [(str(n), p) for n, p in items]
+        else:
+            named = [(f"param{i}", p) for i, p in enumerate(items)]
+    elif model is None:
+        raise ProbeError("give a model or an explicit params list")
+    else:
+        lora = {id(p) for ps in adapter_parameters(model).values() for _, p in ps}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad or id(p) in lora]
+    seen: set[int] = set()
+    unique = []
+    for name, p in named:  # tied weights appear once
+        if id(p) not in seen:
+            seen.add(id(p))
+            unique.append((name, p))
+    return unique

@@ -1,0 +1,249 @@
+"""The split probe against brute force: one torch.autograd.grad per agent on the same batch."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from gradscope.errors import ProbeError
+from gradscope.peft_support import adapter_parameters, use_adapter
+from gradscope.probe import Probe
+from tests.gradscope.tiny_lm import batch, tiny_lora_lm, token_logprobs
+
+AGENTS = ["voter0", "voter1", "voter2", "aggregator"]
+ROLES = {"voter0": "voter", "voter1": "voter", "voter2": "voter", "aggregator": "aggregator"}
+
+
+def brute_force_gram(loss_terms: dict[str, torch.Tensor], params: list[nn.Parameter]) -> np.ndarray:
+    """M_kl from a separate autograd.grad per agent, flattened and multiplied in float64."""
+    rows = []
+    for agent in AGENTS:
+        grads = torch.autograd.grad(loss_terms[agent], params, retain_graph=True, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                               for g, p in zip(grads, params)]).double())
+    g = torch.stack(rows)
+    return (g @ g.T).numpy()
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+# ---------------------------------------------------------------- plain nn.Module
+def mlp_terms(model: nn.Module, seed: int, n: int = 6) -> dict[str, torch.Tensor]:
+    """Each agent regresses its own batch; terms normalised by the step's total sample count."""
+    g = torch.Generator().manual_seed(seed)
+    total = n * len(AGENTS)
+    terms = {}
+    for agent in AGENTS:
+        x, y = torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
+        terms[agent] = ((model(x) - y) ** 2).sum() / total
+    return terms
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def test_mlp_gram_equals_brute_force_and_grad_is_unchanged():
+    model = make_mlp()
+    reference = copy.deepcopy(model)
+    params = list(model.parameters())
+    expected = brute_force_gram(mlp_terms(model, 1), params)
+
+    probe = Probe(model, AGENTS, ROLES)
+    with probe.step(0) as s:
+        s.backward(mlp_terms(model, 1), tokens={a: 6 for a in AGENTS})
+    assert rel_err(s.result.gram, expected) < 1e-6
+    assert s.result.tokens.tolist() == [6, 6, 6, 6]
+    assert s.result.group_gram.shape == (1, 4, 4)
+
+    sum(mlp_terms(reference, 1).values()).backward()  # the unprobed step
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    g = torch.cat([q.grad.reshape(-1) for q in reference.parameters()]).double()
+    assert s.result.gram.sum() == pytest.approx(float(g @ g), rel=1e-6)  # Σ_kl M_kl = ‖Σ_k g_k‖²
+
+
+def test_gradient_accumulation_gives_the_big_batch_gram():
+    model = make_mlp()
+    g = torch.Generator().manual_seed(3)
+    data = {a: (torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)) for a in AGENTS}
+    total = 8 * len(AGENTS)
+
+    def terms(rows: slice) -> dict[str, torch.Tensor]:
+        return {a: ((model(x[rows]) - y[rows]) ** 2).sum() / total for a, (x, y) in data.items()}
+
+    probe = Probe(model, AGENTS, ROLES)
+    with probe.step(0) as big:
+        big.backward(terms(slice(0, 8)))
+    big_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with probe.step(0) as acc:
+        acc.backward(terms(slice(0, 3)))
+        acc.backward(terms(slice(3, 8)))
+    assert rel_err(acc.result.gram, big.result.gram) < 1e-6
+    for p, q in zip(model.parameters(), big_grads):
+        torch.testing.assert_close(p.grad, q, rtol=1e-6, atol=1e-7)
+
+
+def test_existing_grad_is_kept_and_unused_params_stay_none():
+    model = make_mlp()
+    extra = nn.Parameter(torch.ones(3))  # probed but never used: its .grad must stay None
+    model[0].weight.grad = torch.full_like(model[0].weight, 0.5)
+    params = [("w0", model[0].weight), ("b0", model[0].bias), ("w2", model[2].weight),
+              ("b2", model[2].bias), ("extra", extra)]
+    reference = copy.deepcopy(model)
+    reference[0].weight.grad = torch.full_like(reference[0].weight, 0.5)
+    probe = Probe(None, AGENTS, ROLES, params=params, groups={"first": ["w0", "b0"], "rest": ["w2", "b2", "extra"]})
+    with probe.step(0) as s:
+        s.backward(mlp_terms(model, 2))
+    sum(mlp_terms(reference, 2).values()).backward()
+    assert extra.grad is None
+    torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad, rtol=1e-6, atol=1e-7)
+    assert probe.groups == ["first", "rest"] and probe.group_sizes == [96, 51 + 3]
+    np.testing.assert_allclose(s.result.group_gram.sum(0), s.result.gram)
+
+
+def test_agent_without_terms_has_zero_row_and_errors_are_clear():
+    model = make_mlp()
+    probe = Probe(model, AGENTS, ROLES)
+    terms = mlp_terms(model, 4)
+    del terms["voter2"]
+    with probe.step(7, policy="voter") as s:
+        s.backward(terms)
+    assert s.result.step == 7 and s.result.policy == "voter"
+    assert np.all(s.result.gram[2] == 0) and np.all(s.result.gram[:, 2] == 0)
+    with pytest.raises(ProbeError, match="unknown agent"):
+        with probe.step(8) as s:
+            s.backward({"nobody": torch.zeros((), requires_grad=True)})
+    with pytest.raises(ProbeError, match="no role"):
+        Probe(model, AGENTS, {"voter0": "voter"})
+    with pytest.raises(ProbeError, match="unknown probe method"):
+        Probe(model, AGENTS, ROLES, method="magic")
+
+
+def test_failed_step_restores_grads():
+    model = make_mlp()
+    probe = Probe(model, AGENTS, ROLES)
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe.step(0) as s:
+            s.backward(mlp_terms(model, 5))
+            raise RuntimeError("boom")
+    reference = copy.deepcopy(model)
+    reference.zero_grad(set_to_none=True)
+    sum(mlp_terms(reference, 5).values()).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_nonfinite_gradient_is_measured_not_raised():
+    model = make_mlp()
+    probe = Probe(model, AGENTS, ROLES)
+    terms = mlp_terms(model, 6)
+    terms["voter1"] = terms["voter1"] * torch.tensor(float("nan"))
+    with probe.step(0) as s:
+        s.backward(terms)
+    assert not s.result.finite
+    assert np.isfinite(s.result.gram[0, 0])
+
+
+# ---------------------------------------------------------------- HF causal LM with LoRA
+def lm_terms(model, seed: int, shared_adapter: bool) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Policy-gradient-like loss: -advantage × log p(token), summed per agent over padded batches.
+
+    Voters share one padded batch (their sequences interleaved); the aggregator has its own.
+    Normalised by the step's total token count, as a token-mean GRPO loss is.
+    """
+    ids, mask = batch(6, 12, seed, pad_left=3)  # rows 0..5 → voters 0,1,2,0,1,2
+    adv = torch.linspace(-1, 1, 6)[:, None]
+    agg_ids, agg_mask = batch(2, 12, seed + 100, pad_left=2)
+    n_total = int(mask[:, 1:].sum() + agg_mask[:, 1:].sum())
+
+    def forward(adapter, ids, mask):
+        if shared_adapter:
+            return token_logprobs(model, ids, mask)
+        with use_adapter(model, adapter):
+            return token_logprobs(model, ids, mask)
+
+    voter_lp = -adv * forward("voter", ids, mask) / n_total
+    agg_lp = -forward("aggregator", agg_ids, agg_mask) / n_total
+    terms = {f"voter{k}": voter_lp[k::3].sum() for k in range(3)}
+    terms["aggregator"] = agg_lp.sum()
+    tokens = {f"voter{k}": int(mask[k::3, 1:].sum()) for k in range(3)}
+    tokens["aggregator"] = int(agg_mask[:, 1:].sum())
+    return terms, tokens
+
+
+@pytest.mark.parametrize("policy", ["sp", "ip"])
+def test_lora_lm_gram_equals_brute_force(policy):
+    adapters = ["shared"] if policy == "sp" else ["voter", "aggregator"]
+    model = tiny_lora_lm(adapters)
+    params = [p for ps in adapter_parameters(model).values() for _, p in ps]
+    terms, tokens = lm_terms(model, 11, shared_adapter=policy == "sp")
+    expected = brute_force_gram(terms, params)
+
+    probe = Probe(model, AGENTS, ROLES, groups="adapter")
+    assert probe.groups == adapters and len(probe.param_names) == len(params)
+    terms, tokens = lm_terms(model, 11, shared_adapter=policy == "sp")
+    with probe.step(0) as s:
+        s.backward(terms, tokens=tokens)
+    assert rel_err(s.result.gram, expected) < 1e-6
+    M = s.result.gram
+    if policy == "ip":
+        assert np.all(M[:3, 3] == 0) and np.all(M[3, :3] == 0)  # disjoint adapters: exactly 0
+        voter_group, agg_group = s.result.group_gram
+        assert np.all(voter_group[3] == 0) and np.all(agg_group[:3] == 0)
+    else:
+        assert np.abs(M[:3, 3]).min() > 0
+    assert np.all(np.diag(M) > 0)
+
+    reference = tiny_lora_lm(adapters)
+    ref_terms, _ = lm_terms(reference, 11, shared_adapter=policy == "sp")
+    sum(ref_terms.values()).backward()
+    probed = dict(model.named_parameters())
+    for name, q in reference.named_parameters():
+        if q.grad is not None:
+            torch.testing.assert_close(probed[name].grad, q.grad, rtol=1e-5, atol=1e-8)
+        else:
+            assert probed[name].grad is None
+
+
+def test_backward_tokens_matches_dict_terms_and_spans_sequences():
+    """One agent's tokens spread over several (padded) sequences, attributed per token."""
+    model = tiny_lora_lm(["shared"])
+    ids, mask = batch(6, 12, 21, pad_left=4)
+    agent_ids = torch.tensor([0, 1, 2, 0, 1, 3])[:, None].expand(6, 11).clone()
+    agent_ids[mask[:, 1:] == 0] = -1
+    adv = torch.linspace(-1, 1, 6)[:, None]
+    n_total = int(mask[:, 1:].sum())
+
+    def token_loss():
+        return -adv * token_logprobs(model, ids, mask) / n_total
+
+    params = [p for _, p in adapter_parameters(model)["shared"]]
+    loss = token_loss()
+    expected = brute_force_gram({a: loss[agent_ids == k].sum() for k, a in enumerate(AGENTS)}, params)
+    probe = Probe(model, AGENTS, ROLES)
+    with probe.step(0) as s:
+        s.backward_tokens(token_loss(), agent_ids)
+    assert rel_err(s.result.gram, expected) < 1e-6
+    assert s.result.tokens.tolist() == [int((agent_ids == k).sum()) for k in range(4)]
+    with pytest.raises(ProbeError, match="agent id -1"):
+        with probe.step(1) as s:
+            s.backward_tokens(token_loss(), torch.full_like(agent_ids, -1))
+
+
+def test_use_adapter_avoids_peft_requires_grad_pitfall():
+    """peft's set_adapter freezes the other adapter; a forward made under it would lose its grads."""
+    model = tiny_lora_lm(["voter", "aggregator"])
+    model.set_adapter("aggregator")
+    voter = adapter_parameters(model)["voter"]
+    assert not any(p.requires_grad for _, p in voter)  # the pitfall is real in this peft
+    with use_adapter(model, "voter"):
+        assert all(p.requires_grad for ps in adapter_parameters(model).values() for _, p in ps)
+    assert model.active_adapter == "aggregator"
