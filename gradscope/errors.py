@@ -11,3 +11,11 @@ class RunFileError(GradscopeError):
 
 class ProbeError(GradscopeError):
     """The probe was used incorrectly (unknown agent, step not open, ...)."""
+
+
+class ConfigError(GradscopeError):
+    """A bad flag or configuration value (unknown workflow, role, model path, ...)."""
+
+
+class TaskFileError(GradscopeError):
+    """A task file (JSONL) is missing, unreadable or malformed; the message names file and line."""

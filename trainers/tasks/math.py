@@ -1,0 +1,412 @@
+"""Math tasks: a seeded arithmetic generator, GSM8K / MATH JSONL loaders, answer extraction.
+
+Generated problems are sized for the character-level testbed model (prompts of 6-9 characters,
+fixed-width answers); the loaders take real datasets given by path. Model outputs are scored with
+:func:`extract_answer` + :func:`answers_match` (or :func:`is_correct`, which does both).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable
+
+from .base import Task, TaskError, TaskFileError, rng_for, unique_draws
+
+__all__ = [
+    "PROMPT_TEMPLATE", "LEVELS", "DEFAULT_WIDTH", "format_prompt", "format_answer", "generate_math",
+    "load_math_jsonl", "extract_answer", "extract_boxed", "normalise_answer", "parse_number",
+    "answers_match", "is_correct",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Generator
+# ---------------------------------------------------------------------------------------------
+
+#: How a generated problem is shown to the agents — the one place to change it.
+PROMPT_TEMPLATE = "{expr}="
+
+LEVELS = {
+    1: "two-digit addition aa+bb",
+    2: "three-digit addition or subtraction (non-negative result)",
+    3: "small multiplication or two-step expression: a*bb, a*b+cc, a*b-c, aa+b*c",
+}
+
+#: Answer width per level: wide enough for the level's largest answer (198, 1998, 891).
+DEFAULT_WIDTH = {1: 3, 2: 4, 3: 3}
+_MAX_ANSWER = {1: 198, 2: 1998, 3: 891}
+
+
+def format_prompt(expr: str) -> str:
+    """The prompt for an arithmetic expression, e.g. ``"57+68"`` → ``"57+68="``."""
+    return PROMPT_TEMPLATE.format(expr=expr)
+
+
+def format_answer(value: int, width: int | None) -> str:
+    """``value`` as a string, zero-padded to ``width`` digits when ``width`` is set (``42`` → ``"042"``)."""
+    if width is None:
+        return str(value)
+    if value < 0:
+        raise ValueError("fixed-width answers must be non-negative")
+    s = str(value).zfill(width)
+    if len(s) > width:
+        raise ValueError(f"{value} does not fit in {width} digits")
+    return s
+
+
+def _draw(level: int) -> Callable:
+    def level1(rng):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"{a}+{b}", a + b
+
+    def level2(rng):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if rng.random() < 0.5:
+            return f"{a}+{b}", a + b
+        a, b = max(a, b), min(a, b)
+        return f"{a}-{b}", a - b
+
+    def level3(rng):
+        form = rng.randrange(4)
+        if form == 0:
+            a, b = rng.randint(2, 9), rng.randint(10, 99)
+            return f"{a}*{b}", a * b
+        if form == 1:
+            a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(10, 99)
+            return f"{a}*{b}+{c}", a * b + c
+        if form == 2:
+            a, b = rng.randint(2, 9), rng.randint(2, 9)
+            c = rng.randint(1, a * b)
+            return f"{a}*{b}-{c}", a * b - c
+        a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(2, 9)
+        return f"{a}+{b}*{c}", a + b * c
+
+    try:
+        return {1: level1, 2: level2, 3: level3}[level]
+    except KeyError:
+        raise TaskError(f"unknown math level {level!r}; levels are {sorted(LEVELS)}") from None
+
+
+def generate_math(n: int, level: int = 1, seed: int = 0, *, width: int | None | str = "auto") -> list[Task]:
+    """``n`` arithmetic problems of ``level`` (1, 2 or 3), fixed by ``seed``.
+
+    ``width="auto"`` pads answers to the level's :data:`DEFAULT_WIDTH`; an int sets the width
+    (it must fit the level's largest answer); ``None`` gives unpadded answers. Prompts are distinct
+    unless ``n`` (nearly) exhausts the level's space.
+    """
+    draw = _draw(level)
+    if width == "auto":
+        width = DEFAULT_WIDTH[level]
+    if width is not None:
+        if not isinstance(width, int) or isinstance(width, bool) or width < len(str(_MAX_ANSWER[level])):
+            raise TaskError(f"width {width!r} cannot hold level-{level} answers (up to {_MAX_ANSWER[level]})")
+    if n < 0:
+        raise TaskError(f"n must be >= 0, got {n}")
+    items = unique_draws(rng_for(seed, "math", level), n, lambda rng: (lambda e: (e[0], e))(draw(rng)))
+    return [
+        Task(id=f"math/L{level}/s{seed}/{i}", kind="math", prompt=format_prompt(expr),
+             answer=format_answer(value, width),
+             meta={"source": "generated", "level": level, "difficulty": level, "expression": expr,
+                   "value": value, "width": width})
+        for i, (expr, value) in enumerate(items)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Answer extraction and normalisation
+# ---------------------------------------------------------------------------------------------
+
+# A number as written in text: optional sign (not when it is a binary minus after a digit, letter or
+# closing bracket), thousands separators or plain digits, optional decimals, optional "/denominator".
+_NUM = (r"(?:(?<![\w)\]}])-)?(?<![\w.])"
+        r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+(?!\.\d))?"
+        r"|(?:(?<![\w)\]}])-)?(?<![\w.])\.\d+")
+_NUM_RE = re.compile(_NUM)
+_FRAC_RE = re.compile(r"-?\\[dt]?frac\s*(?:\{[^{}]*\}|\d)\s*(?:\{[^{}]*\}|\d)")
+_TOKEN_RE = re.compile(rf"{_FRAC_RE.pattern}|{_NUM}")
+_HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
+_ANSWER_RE = re.compile(r"\banswer\s*(?:is\s*:?|:|=)", re.IGNORECASE)
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces kept; ``None`` if absent.
+
+    ``\\boxed 5`` (no braces) gives ``"5"``; an unclosed ``\\boxed{`` is ignored.
+    """
+    best = None
+    for m in re.finditer(r"\\(?:boxed|fbox)\s*", text):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            depth, j = 0, i
+            while j < len(text):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                j += 1
+            if depth == 0 and j < len(text):
+                best = text[i + 1:j].strip()
+        else:
+            tok = re.match(r"[^\s$]+", text[i:])
+            if tok:
+                best = tok.group(0)
+    return best
+
+
+def _first_token(s: str) -> str | None:
+    m = _TOKEN_RE.search(s)
+    return m.group(0) if m else None
+
+
+def extract_answer(text: str | None) -> str | None:
+    """The final answer in a model output, as written (normalise it with :func:`normalise_answer`).
+
+    Precedence: the last ``\\boxed{...}`` (nested braces allowed); else the last ``#### X`` line
+    (its first number, or the whole line if it has none); else the last "answer is X" /
+    "Answer: X" / "answer = X" — a ``$...$`` right after it, or the rest of the sentence when that
+    is one word (``x^2+1``, ``Paris``), else the first number or fraction in the sentence;
+    else the last number in the text. ``None`` when nothing is found.
+    """
+    if not text:
+        return None
+    boxed = extract_boxed(text)
+    if boxed:
+        return boxed
+    hashes = [m.group(1).strip() for m in _HASH_RE.finditer(text)]
+    hashes = [h for h in hashes if h]
+    if hashes:
+        return _first_token(hashes[-1]) or hashes[-1]
+    answers = list(_ANSWER_RE.finditer(text))
+    if answers:
+        line = text[answers[-1].end():].split("\n", 1)[0].strip()
+        math = re.match(r"\$+([^$]+)\$+", line)
+        if math and math.group(1).strip():
+            return math.group(1).strip()
+        sentence = re.split(r"[.!?;](?:\s|$)", line, maxsplit=1)[0].strip().rstrip(".,;:!?").strip()
+        if sentence and not re.search(r"\s", sentence):
+            return sentence.strip("$")
+        tok = _first_token(sentence)
+        if tok:
+            return tok
+        if sentence:
+            return sentence
+    numbers = [m.group(0) for m in _NUM_RE.finditer(text)]
+    return numbers[-1] if numbers else None
+
+
+_INT_RE = re.compile(r"[+-]?\d+")
+_DEC_RE = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)")
+_COMMA_NUM_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def normalise_answer(s: str | None, *, width: int | None = None) -> str:
+    """A canonical string for an answer.
+
+    Strips ``$``, ``\\text{}``/``\\mathrm{}`` wrappers, spaces, LaTeX spacing, ``\\left``/``\\right``,
+    a trailing full stop and degree signs; ``\\dfrac``/``\\tfrac`` → ``\\frac``. Numbers lose
+    thousands separators (``1,234`` → ``1234``), trailing decimal zeros (``2.50`` → ``2.5``,
+    ``3.0`` → ``3``), a leading ``+`` and leading zeros (``042`` → ``42``) — unless ``width`` is set,
+    in which case non-negative integers are zero-padded to ``width`` (``42`` → ``"042"``).
+    """
+    if s is None:
+        return ""
+    s = str(s).strip()
+    boxed = extract_boxed(s)
+    if boxed is not None and re.fullmatch(r"\$*\\(?:boxed|fbox).*\$*", s, re.DOTALL):
+        s = boxed
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", s)
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\\[,!;: ]", "", s)
+    s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("°", "")
+    s = s.replace("$", "")
+    s = re.sub(r"\s+", "", s)
+    s = s.rstrip(".")
+    if _COMMA_NUM_RE.fullmatch(s):
+        s = s.replace(",", "")
+    if _INT_RE.fullmatch(s):
+        value = int(s)
+        if width is not None and value >= 0:
+            return str(value).zfill(width)
+        return str(value)
+    if _DEC_RE.fullmatch(s):
+        sign = "-" if s.startswith("-") else ""
+        body = s.lstrip("+-")
+        whole, frac = body.split(".", 1)
+        frac = frac.rstrip("0")
+        whole = whole.lstrip("0") or "0"
+        out = f"{whole}.{frac}" if frac else whole
+        return "0" if out == "0" else sign + out
+    return s
+
+
+_LATEX_FRAC_FULL = re.compile(r"(-?)\\frac(?:\{([^{}]+)\}|(\d))(?:\{([^{}]+)\}|(\d))")
+
+
+def parse_number(s: str | None) -> Fraction | None:
+    """``s`` as an exact rational if it is a number: integers, decimals, ``1,234``, ``a/b``,
+    ``\\frac{a}{b}`` (signs inside or outside), percentages are *not* converted. Else ``None``."""
+    if s is None:
+        return None
+    t = normalise_answer(s)
+    if not t:
+        return None
+    m = _LATEX_FRAC_FULL.fullmatch(t)
+    if m:
+        num, den = parse_number(m.group(2) or m.group(3)), parse_number(m.group(4) or m.group(5))
+        if num is None or den is None or den == 0:
+            return None
+        value = num / den
+        return -value if m.group(1) else value
+    if re.fullmatch(r"[+-]?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?", t):
+        return Fraction(t)
+    m = re.fullmatch(r"([+-]?\d+)/([+-]?\d+)", t)
+    if m:
+        den = int(m.group(2))
+        return Fraction(int(m.group(1)), den) if den else None
+    return None
+
+
+def answers_match(pred: str | None, ref: str | None, *, rel_tol: float = 1e-9) -> bool:
+    """Whether a predicted answer equals the reference.
+
+    Numerically when both parse as numbers (``042`` = ``42``, ``0.5`` = ``1/2`` = ``\\frac{1}{2}``,
+    ``1,000`` = ``1000``; relative tolerance ``rel_tol``), else as normalised strings.
+    ``None`` or empty never matches.
+    """
+    if pred is None or ref is None:
+        return False
+    a, b = parse_number(pred), parse_number(ref)
+    if a is not None and b is not None:
+        return abs(a - b) <= rel_tol * max(1, abs(b))
+    na, nb = normalise_answer(pred), normalise_answer(ref)
+    return bool(na) and na == nb
+
+
+def is_correct(task: Task, output: str | None, *, strict_width: bool = False) -> bool:
+    """Whether a model ``output`` answers a math ``task``: extract, then :func:`answers_match`.
+
+    With ``strict_width`` and a fixed-width task, the extracted answer must also be written with
+    exactly the task's width (``"042"``, not ``"42"``).
+    """
+    pred = extract_answer(output)
+    if pred is None:
+        return False
+    width = task.meta.get("width")
+    if strict_width and width is not None and re.sub(r"[\s$]", "", pred) != task.answer:
+        return False
+    return answers_match(pred, task.answer)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL loaders (GSM8K and MATH formats)
+# ---------------------------------------------------------------------------------------------
+
+_ID_KEYS = ("id", "task_id", "unique_id", "idx")
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _difficulty(record: dict):
+    level = record.get("level", record.get("difficulty"))
+    if isinstance(level, int) and not isinstance(level, bool):
+        return level
+    if isinstance(level, str):
+        m = re.search(r"\d+", level)
+        if m:
+            return int(m.group(0))
+    return None
+
+
+def load_math_jsonl(path: str | Path) -> list[Task]:
+    """Tasks from a JSONL file (optionally ``.gz``) of GSM8K-style or MATH-style records.
+
+    * GSM8K: ``{"question": ..., "answer": "... #### 72"}`` — the reference is what follows the
+      last ``####``; the text before it is kept as ``meta["solution"]``.
+    * MATH: ``{"problem": ..., "solution": "... \\boxed{...}"}`` — the reference is the last
+      ``\\boxed{}`` (nested braces allowed); a string ``"answer"`` field, when present, wins.
+
+    Optional ``id``/``task_id``/``unique_id``/``idx`` give the task id (default ``"<stem>/<line>"``);
+    ``level``/``difficulty`` and ``type``/``subject`` go to ``meta``. Blank lines are skipped.
+    Anything else — unreadable file, bad JSON, not an object, missing keys, no ``####``/``\\boxed{}``,
+    duplicate ids, no tasks at all — raises :class:`TaskFileError` naming the file and line.
+    """
+    path = Path(path)
+    tasks: list[Task] = []
+    ids: set[str] = set()
+
+    def fail(lineno: int, why: str):
+        raise TaskFileError(f"{path}:{lineno}: {why}") from None
+
+    try:
+        fh = _open_text(path)
+    except OSError as e:
+        raise TaskFileError(f"{path}: cannot read task file ({e.strerror or e})") from None
+    with fh:
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    fail(lineno, "not UTF-8 text")
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    fail(lineno, f"invalid JSON ({e.msg} at column {e.colno})")
+                if not isinstance(record, dict):
+                    fail(lineno, f"expected a JSON object, got {type(record).__name__}")
+                if "question" in record:
+                    kind = "gsm8k"
+                    prompt, solution = record.get("question"), record.get("answer")
+                    if not isinstance(prompt, str) or not isinstance(solution, str):
+                        fail(lineno, "GSM8K record needs string fields 'question' and 'answer'")
+                    if "####" not in solution:
+                        fail(lineno, "GSM8K 'answer' has no '#### <answer>' line")
+                    head, _, tail = solution.rpartition("####")
+                    answer = normalise_answer(tail.strip().split("\n", 1)[0])
+                    if not answer:
+                        fail(lineno, "GSM8K 'answer' has an empty '####' answer")
+                    meta = {"source": "gsm8k", "solution": head.strip()}
+                elif "problem" in record:
+                    kind = "math"
+                    prompt, solution = record.get("problem"), record.get("solution")
+                    if not isinstance(prompt, str):
+                        fail(lineno, "MATH record needs a string field 'problem'")
+                    given = record.get("answer")
+                    if isinstance(given, str) and given.strip():
+                        answer = normalise_answer(given)
+                    else:
+                        if not isinstance(solution, str):
+                            fail(lineno, "MATH record needs a string field 'solution' (or 'answer')")
+                        boxed = extract_boxed(solution)
+                        if not boxed:
+                            fail(lineno, "MATH 'solution' has no \\boxed{...} answer")
+                        answer = normalise_answer(boxed)
+                    meta = {"source": "math", "solution": solution if isinstance(solution, str) else ""}
+                    for key in ("type", "subject"):
+                        if key in record:
+                            meta[key] = record[key]
+                else:
+                    fail(lineno, "record has neither 'question'/'answer' (GSM8K) nor 'problem'/'solution' (MATH)")
+                tid = next((str(record[k]) for k in _ID_KEYS if k in record), f"{path.stem}/{lineno}")
+                if tid in ids:
+                    fail(lineno, f"duplicate task id {tid!r}")
+                ids.add(tid)
+                meta.update({"format": kind, "difficulty": _difficulty(record), "width": None,
+                             "file": str(path), "line": lineno})
+                tasks.append(Task(id=tid, kind="math", prompt=prompt, answer=answer, meta=meta))
+        except (OSError, EOFError) as e:  # e.g. a corrupt .gz
+            fail(lineno + 1, f"cannot read ({e})")
+    if not tasks:
+        raise TaskFileError(f"{path}: no tasks in file")
+    return tasks
