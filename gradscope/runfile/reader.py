@@ -1,0 +1,380 @@
+"""``open_run`` / ``RunReader``: read a run file, finished, live or left behind by a killed writer.
+
+Everything a reader returns is trimmed to the committed counts (``/committed``), so it never
+sees half of a record even while the writer appends. Any problem with the file itself becomes a
+one-line :class:`~gradscope.errors.RunFileError` naming the file.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import h5py
+import numpy as np
+
+from gradscope.errors import RunFileError
+from gradscope.runfile import schema
+from gradscope.runfile.schema import RunMeta
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# Errors h5py raises for damaged files; wrapped into RunFileError wherever the file is read.
+_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _is_hdf5(path: str) -> bool:
+    """HDF5's signature sits at byte 0 or, after a user block, at 512, 1024, 2048, ..."""
+    try:
+        with open(path, "rb") as fh:
+            offset = 0
+            while True:
+                fh.seek(offset)
+                head = fh.read(8)
+                if len(head) < 8:
+                    return False
+                if head == _HDF5_SIGNATURE:
+                    return True
+                offset = 512 if offset == 0 else offset * 2
+    except OSError:
+        return False
+
+
+def _open_h5(path: str) -> h5py.File:
+    """Open read-only, falling back to SWMR for a live file or one whose writer was killed.
+
+    A plain open first, because it checks the file's length against its superblock (SWMR
+    reading skips that check, so a truncated file could read as zeros). A file whose writer is
+    running or died holds "open for write" consistency flags; only a SWMR reader may open it.
+    """
+    if not os.path.exists(path):
+        raise RunFileError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise RunFileError(f"{path}: is a directory, not a run file")
+    if not os.access(path, os.R_OK):
+        raise RunFileError(f"{path}: permission denied")
+    if not _is_hdf5(path):
+        raise RunFileError(f"{path}: not an HDF5 file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        plain = _one_line(exc)
+    if "already open for write" in plain or "consistency flags" in plain:
+        try:
+            return h5py.File(path, "r", libver="latest", swmr=True)
+        except OSError as exc:
+            plain = _one_line(exc)
+    if "unable to lock file" in plain:
+        raise RunFileError(f"{path}: locked by another process (a writer that has not started SWMR "
+                           f"mode yet?); retry, or set HDF5_USE_FILE_LOCKING=FALSE ({plain})")
+    if "truncated" in plain:
+        raise RunFileError(f"{path}: truncated HDF5 file ({plain})")
+    raise RunFileError(f"{path}: cannot open as HDF5 ({plain})")
+
+
+class RunReader:
+    """A run file opened for reading. Use :func:`open_run` to get one.
+
+    Array properties are read on first use and cached until :meth:`refresh`; all hold the first
+    ``n_steps`` records (N), with K agents and G parameter groups.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._f = _open_h5(self.path)
+        try:
+            with self._errors("reading the file's structure"):
+                self._check_header()
+                self.meta = self._read_meta()
+                self._check_datasets()
+                self._cache: dict[str, Any] = {}
+                self._counts = self._read_counts()
+        except BaseException:
+            self._f.close()
+            raise
+
+    # --- opening -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        """Turn an h5py failure on a damaged file into one RunFileError line naming the file."""
+        try:
+            yield
+        except RunFileError:
+            raise
+        except _H5_ERRORS as exc:
+            raise RunFileError(f"{self.path}: damaged run file, failed {doing} ({_one_line(exc)})") from None
+
+    def _check_header(self) -> None:
+        attrs = self._f.attrs
+        fmt = attrs.get("format")
+        if isinstance(fmt, bytes):
+            fmt = fmt.decode("utf-8", "replace")
+        if fmt is None:
+            raise RunFileError(f"{self.path}: not a gradscope run file (no 'format' attribute)")
+        if fmt != schema.FORMAT:
+            raise RunFileError(f"{self.path}: not a gradscope run file (format is {fmt!r}, "
+                               f"expected {schema.FORMAT!r})")
+        version = attrs.get("schema_version")
+        if version is None:
+            raise RunFileError(f"{self.path}: missing the 'schema_version' attribute")
+        if isinstance(version, bytes):
+            version = version.decode("utf-8", "replace")
+        try:
+            major, minor = schema.parse_version(str(version))
+        except ValueError:
+            raise RunFileError(f"{self.path}: unparseable schema_version {str(version)!r} "
+                               f"(expected 'MAJOR.MINOR')") from None
+        if major > schema.SCHEMA_MAJOR:
+            raise RunFileError(f"{self.path}: schema version {major}.{minor} is newer than this "
+                               f"gradscope reads ({schema.SCHEMA_MAJOR}.x); upgrade gradscope")
+        if major < schema.SCHEMA_MAJOR:
+            raise RunFileError(f"{self.path}: unsupported schema version {major}.{minor} "
+                               f"(this gradscope reads {schema.SCHEMA_MAJOR}.x)")
+        self.schema_version = f"{major}.{minor}"
+
+    def _read_meta(self) -> RunMeta:
+        try:
+            return RunMeta.from_attrs(self._f.attrs)
+        except KeyError as exc:
+            raise RunFileError(f"{self.path}: missing the {exc.args[0]!r} attribute") from None
+        except (ValueError, TypeError) as exc:  # bad JSON or inconsistent metadata
+            raise RunFileError(f"{self.path}: invalid run metadata ({_one_line(exc)})") from None
+
+    def _check_datasets(self) -> None:
+        meta = self.meta
+        fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names))
+        wanted = [f"{schema.STEPS}/{name}" for name in fields]
+        wanted += [schema.EVALS, schema.EVENTS, schema.COMMITTED]
+        missing = [name for name in wanted if not isinstance(self._f.get(name), h5py.Dataset)]
+        if missing:
+            raise RunFileError(f"{self.path}: missing required datasets: {', '.join('/' + m for m in missing)}")
+        self._step_ds = {name: self._f[f"{schema.STEPS}/{name}"] for name in fields}
+        for name, (shape, _) in fields.items():
+            got = self._step_ds[name].shape[1:]
+            if got != shape:
+                raise RunFileError(f"{self.path}: /{schema.STEPS}/{name} has record shape {got}, "
+                                   f"expected {shape} from the metadata")
+        self._evals_ds = self._f[schema.EVALS]
+        self._events_ds = self._f[schema.EVENTS]
+        self._committed_ds = self._f[schema.COMMITTED]
+        if self._committed_ds.shape != (len(schema.COMMITTED_FIELDS),):
+            raise RunFileError(f"{self.path}: /{schema.COMMITTED} has shape {self._committed_ds.shape}, "
+                               f"expected ({len(schema.COMMITTED_FIELDS)},)")
+
+    def _read_counts(self, committed: np.ndarray | None = None) -> tuple[int, int, int, bool]:
+        """Committed counts, capped by every dataset's current length (so never a partial row)."""
+        if committed is None:
+            committed = self._committed_ds[()]
+        n_steps = min([int(committed[0])] + [ds.shape[0] for ds in self._step_ds.values()])
+        n_evals = min(int(committed[1]), self._evals_ds.shape[0])
+        n_events = min(int(committed[2]), self._events_ds.shape[0])
+        return max(n_steps, 0), max(n_evals, 0), max(n_events, 0), bool(committed[3])
+
+    # --- live files ----------------------------------------------------------------------------
+
+    @property
+    def swmr(self) -> bool:
+        """Whether the file was opened as a SWMR reader (live, or its writer did not close it)."""
+        return bool(self._f.swmr_mode)
+
+    def refresh(self) -> RunReader:
+        """Pick up what a live writer committed since the last look; drops cached arrays.
+
+        Counts never decrease. On a file that was closed when opened this changes nothing.
+        """
+        with self._errors("refreshing"):
+            if not self._f.swmr_mode:
+                return self
+            # Read the counters' *values* first, then refresh the datasets: everything the
+            # counters announce was flushed before them, so the refreshed datasets are at least
+            # that long. (Reading the counters after the datasets' refresh could announce rows
+            # whose extent this reader has not seen yet.)
+            self._committed_ds.refresh()
+            committed = self._committed_ds[()]
+            for ds in (*self._step_ds.values(), self._evals_ds, self._events_ds):
+                ds.refresh()
+            self._counts = self._read_counts(committed)
+            self._cache.clear()
+        return self
+
+    # --- counts and metadata -------------------------------------------------------------------
+
+    @property
+    def n_steps(self) -> int:
+        """Number of complete (committed) records N."""
+        return self._counts[0]
+
+    @property
+    def n_evals(self) -> int:
+        return self._counts[1]
+
+    @property
+    def n_events(self) -> int:
+        return self._counts[2]
+
+    @property
+    def closed(self) -> bool:
+        """True once the writer closed the file cleanly (False: still live, or killed)."""
+        return self._counts[3]
+
+    # --- per-record arrays ---------------------------------------------------------------------
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Records ``[start, stop)`` of ``/steps/<name>``, clipped to the committed ones.
+
+        Negative indices count from the last committed record, as in Python slicing.
+        """
+        if name not in self._step_ds:
+            raise KeyError(f"no per-record dataset {name!r}; have {sorted(self._step_ds)}")
+        lo, hi, _ = slice(start, stop).indices(self.n_steps)
+        with self._errors(f"reading /{schema.STEPS}/{name}"):
+            return self._step_ds[name][lo:max(lo, hi)]
+
+    def _cached(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            self._cache[name] = self.read(name)
+        return self._cache[name]
+
+    @property
+    def step(self) -> np.ndarray:
+        """(N,) int64 training step of each record."""
+        return self._cached("step")
+
+    @property
+    def opt_step(self) -> np.ndarray:
+        """(N,) int64 optimizer-step index of each record."""
+        return self._cached("opt_step")
+
+    @property
+    def policy_index(self) -> np.ndarray:
+        """(N,) int16 index into ``meta.policies``; -1 = no policy."""
+        return self._cached("policy")
+
+    @property
+    def policy(self) -> np.ndarray:
+        """(N,) object array of policy names (None where the record has no policy)."""
+        names = np.array([*self.meta.policies, None], dtype=object)
+        idx = self.policy_index.astype(np.int64)
+        # Out-of-range indices (a damaged file) become None rather than wrong names.
+        idx = np.where((idx >= 0) & (idx < len(self.meta.policies)), idx, len(self.meta.policies))
+        return names[idx]
+
+    @property
+    def time(self) -> np.ndarray:
+        """(N,) float64 seconds since the writer started."""
+        return self._cached("time")
+
+    @property
+    def gram(self) -> np.ndarray:
+        """(N, K, K) float64 per-agent Gram matrices (NaN entries are kept as data)."""
+        return self._cached("gram")
+
+    @property
+    def group_gram(self) -> np.ndarray | None:
+        """(N, G, K, K) float64 per-group Grams, or None when no groups were declared."""
+        return self._cached("group_gram") if "group_gram" in self._step_ds else None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """(N, K) int64 tokens per agent."""
+        return self._cached("tokens")
+
+    @property
+    def scalars(self) -> pd.DataFrame:
+        """(N, S) DataFrame, one float64 column per declared scalar; index = record number."""
+        import pandas as pd
+
+        return pd.DataFrame(self._cached("scalars"), columns=pd.Index(self.meta.scalar_names, dtype=object))
+
+    # --- evaluations and events ----------------------------------------------------------------
+
+    def _table(self, ds: h5py.Dataset, n: int, what: str) -> np.ndarray:
+        if what not in self._cache:
+            with self._errors(f"reading /{what}"):
+                self._cache[what] = ds[:n]
+        return self._cache[what]
+
+    @property
+    def evals(self) -> pd.DataFrame:
+        """Long DataFrame with columns step (int64), name (str), value (float64)."""
+        import pandas as pd
+
+        rows = self._table(self._evals_ds, self.n_evals, schema.EVALS)
+        return pd.DataFrame({
+            "step": rows["step"].astype(np.int64),
+            "name": _decode(rows["name"]),
+            "value": rows["value"].astype(np.float64),
+        })
+
+    def evals_wide(self) -> pd.DataFrame:
+        """Evaluations pivoted: index step, one column per name (the last value if repeated)."""
+        evals = self.evals
+        return evals.pivot_table(index="step", columns="name", values="value", aggfunc="last",
+                                 dropna=False)
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """DataFrame with columns step, time, kind, severity, message."""
+        import pandas as pd
+
+        rows = self._table(self._events_ds, self.n_events, schema.EVENTS)
+        return pd.DataFrame({
+            "step": rows["step"].astype(np.int64),
+            "time": rows["time"].astype(np.float64),
+            "kind": _decode(rows["kind"]),
+            "severity": _decode(rows["severity"]),
+            "message": _decode(rows["message"]),
+        })
+
+    # --- derived statistics --------------------------------------------------------------------
+
+    def stats(self) -> pd.DataFrame:
+        """One row per record: step, opt_step, policy, then every column of ``gradscope.stats.derive``."""
+        import pandas as pd
+
+        from gradscope.stats import derive  # lazy: the reader works without the stats module
+
+        cols: dict[str, Any] = {"step": self.step, "opt_step": self.opt_step, "policy": self.policy}
+        cols.update(derive(self.gram, self.tokens, self.meta.agents, self.meta.agent_roles))
+        return pd.DataFrame(cols)
+
+    # --- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> RunReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed cleanly" if self.closed else "not closed"
+        return f"RunReader({self.path!r}, {self.n_steps} records, {state})"
+
+
+def _decode(raw: np.ndarray) -> np.ndarray:
+    """Fixed-width UTF-8 bytes -> object array of str (a cut-off character becomes U+FFFD)."""
+    return np.array([b.decode("utf-8", "replace") for b in raw], dtype=object)
+
+
+def open_run(path: str | os.PathLike[str]) -> RunReader:
+    """Open a run file for reading (a finished one, a live one, or one whose writer was killed).
+
+    Raises:
+        RunFileError: one line naming the file and the problem: missing, not HDF5, truncated,
+            not a gradscope run, unparseable or newer-major schema version, missing datasets.
+    """
+    return RunReader(path)

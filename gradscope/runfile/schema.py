@@ -1,0 +1,272 @@
+"""The run-file schema: version, paths, dtypes and the run metadata (``RunMeta``).
+
+Everything that the writer and the reader must agree on lives here, so that ``docs/format.md``
+has one source to be checked against. Shapes use N = records, K = agents, G = parameter
+groups, S = declared scalar metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import platform
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: ``MAJOR.MINOR``. Minor bumps are additive (new optional fields); a reader accepts any minor of
+#: a major it knows and refuses a newer major.
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = 1
+FORMAT = "gradscope-run"
+
+# --- paths -------------------------------------------------------------------------------------
+STEPS = "steps"
+EVALS = "evals"
+EVENTS = "events"
+COMMITTED = "committed"
+
+#: ``/committed`` holds these four int64 counters, in this order.
+COMMITTED_FIELDS = ("n_steps", "n_evals", "n_events", "closed")
+
+# --- string widths (bytes of UTF-8) ------------------------------------------------------------
+EVAL_NAME_BYTES = 64
+EVENT_KIND_BYTES = 32
+EVENT_SEVERITY_BYTES = 16
+EVENT_MESSAGE_BYTES = 256
+#: Appended to a free-text value that had to be cut to fit its field.
+TRUNCATION_MARK = "..."
+
+EVAL_DTYPE = np.dtype([("step", "<i8"), ("name", f"S{EVAL_NAME_BYTES}"), ("value", "<f8")])
+EVENT_DTYPE = np.dtype(
+    [
+        ("step", "<i8"),
+        ("time", "<f8"),
+        ("kind", f"S{EVENT_KIND_BYTES}"),
+        ("severity", f"S{EVENT_SEVERITY_BYTES}"),
+        ("message", f"S{EVENT_MESSAGE_BYTES}"),
+    ]
+)
+
+#: Value of ``/steps/policy`` for a record not tagged with a policy.
+NO_POLICY = -1
+
+
+def step_fields(n_agents: int, n_groups: int, n_scalars: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The per-record datasets under ``/steps``: name -> (shape of one record, dtype).
+
+    ``group_gram`` exists only when parameter groups were declared (``n_groups > 0``).
+    """
+    K, G, S = n_agents, n_groups, n_scalars
+    fields: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+        "step": ((), np.dtype("<i8")),
+        "opt_step": ((), np.dtype("<i8")),
+        "policy": ((), np.dtype("<i2")),
+        "time": ((), np.dtype("<f8")),
+        "gram": ((K, K), np.dtype("<f8")),
+        "tokens": ((K,), np.dtype("<i8")),
+        "scalars": ((S,), np.dtype("<f8")),
+    }
+    if G:
+        fields["group_gram"] = ((G, K, K), np.dtype("<f8"))
+    return fields
+
+
+#: Datasets every run file must have (``group_gram`` is required only when groups are declared).
+REQUIRED_STEP_FIELDS = ("step", "opt_step", "policy", "time", "gram", "tokens", "scalars")
+
+#: One-line descriptions, stored as each dataset's ``description`` attribute.
+DESCRIPTIONS = {
+    "step": "training step of the record",
+    "opt_step": "running optimizer-step index",
+    "policy": "index into the root attribute 'policies' (-1 = none)",
+    "time": "seconds since the writer was created",
+    "gram": "per-agent gradient Gram matrix M[k,l] = <g_k, g_l> over all probed parameters",
+    "tokens": "number of tokens behind each agent's gradient term",
+    "scalars": "scalar metrics, columns named by the attribute 'names'; NaN = not logged",
+    "group_gram": "per-parameter-group Gram matrices (NaN = not logged); groups in attribute 'groups'",
+    EVALS: "evaluation results in long format (step, name, value)",
+    EVENTS: "alerts and other events (step, time, kind, severity, message)",
+    COMMITTED: "n_steps, n_evals, n_events, closed: records a reader may trust",
+}
+
+# --- metadata ----------------------------------------------------------------------------------
+
+#: Root attributes stored as JSON strings (lists and dicts); the rest are plain scalars.
+_JSON_ATTRS = ("agents", "agent_roles", "roles", "policies", "groups", "group_sizes", "config",
+               "versions", "scalar_names")
+_STR_ATTRS = ("probe_method", "created")
+
+
+@dataclass
+class RunMeta:
+    """What a run is: its agents, roles, policies, parameter groups, config and provenance.
+
+    Attributes:
+        agents: agent names, K of them, in the order of the Gram matrix rows.
+        agent_roles: role of each agent (length K).
+        roles: role names; defaults to the roles of ``agent_roles`` in order of first appearance
+            (the order ``gradscope.stats`` uses). Must contain every agent's role.
+        policies: policy (parameter set) names; ``log_step(policy=...)`` refers to them.
+        groups: parameter-group names; when non-empty every record has a ``group_gram``.
+        group_sizes: number of parameters (numel) per group, same length as ``groups``.
+        config: free-form run configuration, must be JSON-serialisable.
+        seed: the run's random seed, if any.
+        probe_method: how the Gram matrix was measured (e.g. ``"split"`` or ``"hooks"``).
+        versions: library versions; filled for gradscope/torch/transformers/peft/h5py/hdf5/
+            numpy/python by :meth:`with_defaults`, explicit entries win.
+        created: ISO-8601 creation time; filled by :meth:`with_defaults`.
+        scalar_names: every scalar metric that ``log_step(scalars=...)`` may log (declared up
+            front because a SWMR file cannot grow new datasets or attributes).
+        flush_every: records per flush; the writer sets it.
+    """
+
+    agents: list[str]
+    agent_roles: list[str]
+    roles: list[str] = field(default_factory=list)
+    policies: list[str] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    probe_method: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    created: str = ""
+    scalar_names: list[str] = field(default_factory=list)
+    flush_every: int = 0
+
+    def __post_init__(self) -> None:
+        # Accept any sequences (tuples, numpy string arrays) but store plain lists of str.
+        self.agents = [str(a) for a in self.agents]
+        self.agent_roles = [str(r) for r in self.agent_roles]
+        if not self.roles:
+            self.roles = list(dict.fromkeys(self.agent_roles))
+        self.roles = [str(r) for r in self.roles]
+        self.policies = [str(p) for p in self.policies]
+        self.groups = [str(g) for g in self.groups]
+        self.group_sizes = [int(n) for n in self.group_sizes]
+        self.scalar_names = [str(s) for s in self.scalar_names]
+        self.config = dict(self.config)
+        self.versions = {str(k): str(v) for k, v in self.versions.items()}
+        self.validate()
+
+    @property
+    def n_agents(self) -> int:
+        return len(self.agents)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first inconsistency."""
+        if not self.agents:
+            raise ValueError("RunMeta.agents must name at least one agent")
+        if len(self.agent_roles) != len(self.agents):
+            raise ValueError(
+                f"RunMeta.agent_roles has {len(self.agent_roles)} entries but there are "
+                f"{len(self.agents)} agents"
+            )
+        for what, names in (("agents", self.agents), ("roles", self.roles),
+                            ("policies", self.policies), ("groups", self.groups),
+                            ("scalar_names", self.scalar_names)):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"RunMeta.{what} must be unique; repeated: {dupes}")
+        unknown = sorted(set(self.agent_roles) - set(self.roles))
+        if unknown:
+            raise ValueError(f"RunMeta.agent_roles uses roles missing from RunMeta.roles: {unknown}")
+        if len(self.group_sizes) != len(self.groups):
+            raise ValueError(
+                f"RunMeta.group_sizes has {len(self.group_sizes)} entries for {len(self.groups)} groups"
+            )
+        if len(self.policies) > np.iinfo(np.int16).max:
+            raise ValueError("RunMeta.policies: at most 32767 policies")
+        try:
+            json.dumps(self.config, default=_json_default)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"RunMeta.config must be JSON-serialisable: {exc}") from None
+
+    def with_defaults(self) -> RunMeta:
+        """A copy with ``created`` and ``versions`` filled where empty (explicit values win)."""
+        created = self.created or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        return dataclasses.replace(self, created=created, versions={**library_versions(), **self.versions})
+
+    def to_attrs(self) -> dict[str, Any]:
+        """Root attributes (without ``format`` / ``schema_version``)."""
+        attrs: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _JSON_ATTRS:
+                attrs[f.name] = json.dumps(value, default=_json_default)
+            elif f.name in _STR_ATTRS:
+                attrs[f.name] = str(value)
+            elif f.name == "seed":
+                if value is not None:  # absent attribute = no seed
+                    attrs["seed"] = np.int64(value)
+            else:
+                attrs[f.name] = np.int64(value)
+        return attrs
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> RunMeta:
+        """Inverse of :meth:`to_attrs`; raises ``KeyError`` / ``ValueError`` on a malformed set.
+
+        Attributes added by a later minor version are ignored; optional ones may be missing.
+        """
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in attrs:
+                if f.name in ("agents", "agent_roles"):
+                    raise KeyError(f.name)
+                continue
+            value = attrs[f.name]
+            if isinstance(value, bytes):
+                value = value.decode("utf-8")
+            if f.name in _JSON_ATTRS:
+                kwargs[f.name] = json.loads(value)
+            elif f.name in _STR_ATTRS:
+                kwargs[f.name] = str(value)
+            else:
+                kwargs[f.name] = int(value)
+        return cls(**kwargs)
+
+
+def _json_default(obj: Any) -> Any:
+    """Let numpy scalars and arrays in a config serialise as their Python equivalents."""
+    if isinstance(obj, (np.generic, np.ndarray)):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries a run depends on, without importing any that are not loaded.
+
+    ``importlib.metadata`` reads the installed package's metadata, so torch is never imported
+    just to learn its version; a module that is already imported reports its own ``__version__``
+    (which can differ from the metadata for a development build).
+    """
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for dist in ("gradscope", "torch", "transformers", "peft", "h5py", "numpy"):
+        module = sys.modules.get(dist)
+        version = getattr(module, "__version__", None) if module is not None else None
+        if version is None:
+            try:
+                version = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+        versions[dist] = str(version)
+    h5py = sys.modules.get("h5py")
+    if h5py is not None:
+        versions["hdf5"] = h5py.version.hdf5_version
+    return versions
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``"1.0"`` -> ``(1, 0)``; raises ``ValueError`` for anything but ``MAJOR.MINOR``."""
+    match = re.fullmatch(r"([0-9]+)\.([0-9]+)", text.strip())
+    if match is None:
+        raise ValueError(f"expected 'MAJOR.MINOR', got {text!r}")
+    return int(match.group(1)), int(match.group(2))
