@@ -101,6 +101,12 @@ def render_info(path: str | os.PathLike[str]) -> str:
                 last = acc.iloc[-1]
                 evals_text += f"; last accuracy {last['value']:.4g} at step {int(last['step'])}"
         add("evals", evals_text)
+        metrics_text = f"{run.n_metrics} rows"
+        if run.n_metrics:
+            metrics = run.metrics
+            names = list(dict.fromkeys(metrics["name"]))  # in order of first appearance
+            metrics_text += f" at {metrics['step'].nunique()} steps; {len(names)} names: {_names(names)}"
+        add("metrics", metrics_text)
         events_text = str(run.n_events)
         if run.n_events:
             last_event = run.events.iloc[-1]

@@ -154,7 +154,7 @@ class RunReader:
         meta = self.meta
         fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names))
         wanted = [f"{schema.STEPS}/{name}" for name in fields]
-        wanted += [schema.EVALS, schema.EVENTS, schema.COMMITTED]
+        wanted += [*schema.TABLES, schema.COMMITTED]
         missing = [name for name in wanted if not isinstance(self._f.get(name), h5py.Dataset)]
         if missing:
             raise RunFileError(f"{self.path}: missing required datasets: {', '.join('/' + m for m in missing)}")
@@ -164,21 +164,26 @@ class RunReader:
             if got != shape:
                 raise RunFileError(f"{self.path}: /{schema.STEPS}/{name} has record shape {got}, "
                                    f"expected {shape} from the metadata")
-        self._evals_ds = self._f[schema.EVALS]
-        self._events_ds = self._f[schema.EVENTS]
+        self._table_ds = {name: self._f[name] for name in schema.TABLES}
         self._committed_ds = self._f[schema.COMMITTED]
-        if self._committed_ds.shape != (len(schema.COMMITTED_FIELDS),):
-            raise RunFileError(f"{self.path}: /{schema.COMMITTED} has shape {self._committed_ds.shape}, "
-                               f"expected ({len(schema.COMMITTED_FIELDS)},)")
+        shape = self._committed_ds.shape
+        # Later minor versions may append counters; the known ones come first.
+        if len(shape) != 1 or shape[0] < len(schema.COMMITTED_FIELDS):
+            raise RunFileError(f"{self.path}: /{schema.COMMITTED} has shape {shape}, expected "
+                               f"({len(schema.COMMITTED_FIELDS)},): {', '.join(schema.COMMITTED_FIELDS)}")
 
-    def _read_counts(self, committed: np.ndarray | None = None) -> tuple[int, int, int, bool]:
-        """Committed counts, capped by every dataset's current length (so never a partial row)."""
+    def _read_counts(self, committed: np.ndarray | None = None) -> dict[str, int]:
+        """Committed counts by field name, capped by every dataset's current length (so never a
+        partial row); ``closed`` is 0 or 1."""
         if committed is None:
             committed = self._committed_ds[()]
-        n_steps = min([int(committed[0])] + [ds.shape[0] for ds in self._step_ds.values()])
-        n_evals = min(int(committed[1]), self._evals_ds.shape[0])
-        n_events = min(int(committed[2]), self._events_ds.shape[0])
-        return max(n_steps, 0), max(n_evals, 0), max(n_events, 0), bool(committed[3])
+        raw = dict(zip(schema.COMMITTED_FIELDS, (int(x) for x in committed)))
+        counts = {"n_steps": min([raw["n_steps"]] + [ds.shape[0] for ds in self._step_ds.values()])}
+        for name, (_, field) in schema.TABLES.items():
+            counts[field] = min(raw[field], self._table_ds[name].shape[0])
+        counts = {field: max(n, 0) for field, n in counts.items()}
+        counts["closed"] = int(bool(raw["closed"]))
+        return counts
 
     # --- live files ----------------------------------------------------------------------------
 
@@ -201,7 +206,7 @@ class RunReader:
             # whose extent this reader has not seen yet.)
             self._committed_ds.refresh()
             committed = self._committed_ds[()]
-            for ds in (*self._step_ds.values(), self._evals_ds, self._events_ds):
+            for ds in (*self._step_ds.values(), *self._table_ds.values()):
                 ds.refresh()
             self._counts = self._read_counts(committed)
             self._cache.clear()
@@ -212,20 +217,27 @@ class RunReader:
     @property
     def n_steps(self) -> int:
         """Number of complete (committed) records N."""
-        return self._counts[0]
+        return self._counts["n_steps"]
 
     @property
     def n_evals(self) -> int:
-        return self._counts[1]
+        """Number of committed rows of ``/evals``."""
+        return self._counts["n_evals"]
 
     @property
     def n_events(self) -> int:
-        return self._counts[2]
+        """Number of committed rows of ``/events``."""
+        return self._counts["n_events"]
+
+    @property
+    def n_metrics(self) -> int:
+        """Number of committed rows of ``/metrics``."""
+        return self._counts["n_metrics"]
 
     @property
     def closed(self) -> bool:
         """True once the writer closed the file cleanly (False: still live, or killed)."""
-        return self._counts[3]
+        return bool(self._counts["closed"])
 
     # --- per-record arrays ---------------------------------------------------------------------
 
@@ -296,38 +308,62 @@ class RunReader:
 
         return pd.DataFrame(self._cached("scalars"), columns=pd.Index(self.meta.scalar_names, dtype=object))
 
-    # --- evaluations and events ----------------------------------------------------------------
+    # --- evaluations, metrics and events -------------------------------------------------------
 
-    def _table(self, ds: h5py.Dataset, n: int, what: str) -> np.ndarray:
-        if what not in self._cache:
-            with self._errors(f"reading /{what}"):
-                self._cache[what] = ds[:n]
-        return self._cache[what]
+    def read_table(self, name: str) -> np.ndarray:
+        """The committed rows of ``/evals``, ``/events`` or ``/metrics`` as stored (a structured
+        array; strings as fixed-width UTF-8 bytes). Cached until :meth:`refresh`."""
+        if name not in self._table_ds:
+            raise KeyError(f"no table {name!r}; have {sorted(self._table_ds)}")
+        key = f"/{name}"
+        if key not in self._cache:
+            n = self._counts[schema.TABLES[name][1]]
+            with self._errors(f"reading /{name}"):
+                self._cache[key] = self._table_ds[name][:n]
+        return self._cache[key]
 
-    @property
-    def evals(self) -> pd.DataFrame:
-        """Long DataFrame with columns step (int64), name (str), value (float64)."""
+    def _long(self, name: str) -> pd.DataFrame:
+        """A long table (/evals, /metrics) as a DataFrame: step (int64), name (str), value (float64)."""
         import pandas as pd
 
-        rows = self._table(self._evals_ds, self.n_evals, schema.EVALS)
+        rows = self.read_table(name)
         return pd.DataFrame({
             "step": rows["step"].astype(np.int64),
             "name": _decode(rows["name"]),
             "value": rows["value"].astype(np.float64),
         })
 
+    @staticmethod
+    def _wide(long: pd.DataFrame) -> pd.DataFrame:
+        """Pivot a long table: index step, one column per name (if repeated, the last non-NaN value)."""
+        return long.pivot_table(index="step", columns="name", values="value", aggfunc="last",
+                                dropna=False)
+
+    @property
+    def evals(self) -> pd.DataFrame:
+        """Evaluations, long DataFrame with columns step (int64), name (str), value (float64)."""
+        return self._long(schema.EVALS)
+
     def evals_wide(self) -> pd.DataFrame:
-        """Evaluations pivoted: index step, one column per name (the last value if repeated)."""
-        evals = self.evals
-        return evals.pivot_table(index="step", columns="name", values="value", aggfunc="last",
-                                 dropna=False)
+        """Evaluations pivoted: index step, one column per name (if repeated, the last non-NaN value)."""
+        return self._wide(self.evals)
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """Per-training-step metrics, long DataFrame with columns step (int64), name (str),
+        value (float64)."""
+        return self._long(schema.METRICS)
+
+    def metrics_wide(self) -> pd.DataFrame:
+        """Metrics pivoted: index step, one column per name (if repeated, the last non-NaN value)."""
+        return self._wide(self.metrics)
 
     @property
     def events(self) -> pd.DataFrame:
         """DataFrame with columns step, time, kind, severity, message."""
         import pandas as pd
 
-        rows = self._table(self._events_ds, self.n_events, schema.EVENTS)
+        rows = self.read_table(schema.EVENTS)
         return pd.DataFrame({
             "step": rows["step"].astype(np.int64),
             "time": rows["time"].astype(np.float64),

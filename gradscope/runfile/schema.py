@@ -28,20 +28,25 @@ FORMAT = "gradscope-run"
 STEPS = "steps"
 EVALS = "evals"
 EVENTS = "events"
+METRICS = "metrics"
 COMMITTED = "committed"
 
-#: ``/committed`` holds these four int64 counters, in this order.
-COMMITTED_FIELDS = ("n_steps", "n_evals", "n_events", "closed")
+#: ``/committed`` holds these five int64 counters, in this order. A later minor version may
+#: append counters after them (never reorder), so readers use the first five.
+COMMITTED_FIELDS = ("n_steps", "n_evals", "n_events", "n_metrics", "closed")
 
 # --- string widths (bytes of UTF-8) ------------------------------------------------------------
-EVAL_NAME_BYTES = 64
+#: ``name`` field of the long tables ``/evals`` and ``/metrics``.
+NAME_BYTES = 64
 EVENT_KIND_BYTES = 32
 EVENT_SEVERITY_BYTES = 16
 EVENT_MESSAGE_BYTES = 256
 #: Appended to a free-text value that had to be cut to fit its field.
 TRUNCATION_MARK = "..."
 
-EVAL_DTYPE = np.dtype([("step", "<i8"), ("name", f"S{EVAL_NAME_BYTES}"), ("value", "<f8")])
+#: Rows of the long tables ``/evals`` and ``/metrics``: (step, name, value).
+LONG_DTYPE = np.dtype([("step", "<i8"), ("name", f"S{NAME_BYTES}"), ("value", "<f8")])
+EVAL_DTYPE = METRIC_DTYPE = LONG_DTYPE
 EVENT_DTYPE = np.dtype(
     [
         ("step", "<i8"),
@@ -51,6 +56,16 @@ EVENT_DTYPE = np.dtype(
         ("message", f"S{EVENT_MESSAGE_BYTES}"),
     ]
 )
+
+#: The row tables besides ``/steps``: path -> (row dtype, its counter in ``/committed``), in
+#: the order of their counters.
+TABLES: dict[str, tuple[np.dtype, str]] = {
+    EVALS: (EVAL_DTYPE, "n_evals"),
+    EVENTS: (EVENT_DTYPE, "n_events"),
+    METRICS: (METRIC_DTYPE, "n_metrics"),
+}
+#: The long-format tables (step, name, value; free-form names).
+LONG_TABLES = (EVALS, METRICS)
 
 #: Value of ``/steps/policy`` for a record not tagged with a policy.
 NO_POLICY = -1
@@ -91,7 +106,8 @@ DESCRIPTIONS = {
     "group_gram": "per-parameter-group Gram matrices (NaN = not logged); groups in attribute 'groups'",
     EVALS: "evaluation results in long format (step, name, value)",
     EVENTS: "alerts and other events (step, time, kind, severity, message)",
-    COMMITTED: "n_steps, n_evals, n_events, closed: records a reader may trust",
+    METRICS: "per-training-step metrics in long format (step, name, value)",
+    COMMITTED: "n_steps, n_evals, n_events, n_metrics, closed: rows a reader may trust",
 }
 
 # --- metadata ----------------------------------------------------------------------------------

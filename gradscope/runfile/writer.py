@@ -5,11 +5,17 @@ microseconds); every ``flush_every`` records the buffers go to disk as one block
 then the file is flushed, then ``/committed`` is advanced and the file flushed again. A reader
 trusts only the committed counts, so it never sees half a record, and a killed writer loses at
 most the records logged since the last completed flush.
+
+``RunWriter.resume`` continues a run after a restart: it copies the records below a step into a
+fresh file and atomically replaces the old one (a killed writer's file cannot be reopened for
+writing).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Mapping
@@ -22,13 +28,19 @@ from h5py import h5s
 
 from gradscope.errors import RunFileError
 from gradscope.runfile import schema
+from gradscope.runfile.reader import RunReader, open_run
 from gradscope.runfile.schema import RunMeta
 
 #: Chunks of ~this many bytes: small enough that rewriting the open chunk at every flush is
 #: cheap, big enough that a long run does not need millions of chunks.
 _CHUNK_BYTES = 32 * 1024
-#: Evaluations/events logged between step flushes are flushed once this many are pending.
+#: Evaluations/metrics/events logged between step flushes are flushed once this many are pending.
 _MAX_PENDING_ROWS = 1024
+#: ``RunWriter.resume`` builds the new file at ``<path>`` + this suffix, then renames it.
+RESUME_SUFFIX = ".resume-tmp"
+#: ``RunWriter.resume`` copies records in blocks of about this many bytes.
+_COPY_BYTES = 64 * 1024 * 1024
+_CLOSED = schema.COMMITTED_FIELDS.index("closed")
 
 
 def _chunk_rows(row_bytes: int) -> int:
@@ -37,7 +49,7 @@ def _chunk_rows(row_bytes: int) -> int:
     return int(min(4096, max(16, 1 << (rows.bit_length() - 1))))
 
 
-def _fit(text: str, width: int, what: str) -> bytes:
+def _fit(text: str, width: int, what: str, stacklevel: int = 3) -> bytes:
     """UTF-8 encode ``text`` into at most ``width`` bytes.
 
     The rule (docs/format.md): a value that does not fit is cut to its longest prefix of whole
@@ -49,7 +61,7 @@ def _fit(text: str, width: int, what: str) -> bytes:
     mark = schema.TRUNCATION_MARK.encode()
     cut = raw[: width - len(mark)].decode("utf-8", errors="ignore").encode("utf-8")
     warnings.warn(f"{what} longer than {width} bytes was truncated: {text[:40]!r}...", RuntimeWarning,
-                  stacklevel=3)
+                  stacklevel=stacklevel)
     return cut + mark
 
 
@@ -62,6 +74,14 @@ def _as_int(value: Any, what: str) -> int:
         return int(value.__index__())  # ints and numpy integers, never floats or strings
     except (AttributeError, TypeError):
         raise ValueError(f"{what} must be an integer, got {value!r}") from None
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _as_array(value: Any, dtype: type, what: str) -> np.ndarray:
@@ -89,6 +109,7 @@ class RunWriter:
 
     Use it as a context manager (or call :meth:`close`): closing writes the buffered records and
     marks the file as cleanly closed, also when the block raises (KeyboardInterrupt included).
+    To continue an existing run after a restart, use :meth:`resume` instead of the constructor.
     """
 
     def __init__(self, path: str | os.PathLike[str], meta: RunMeta, flush_every: int = 10, *,
@@ -132,13 +153,12 @@ class RunWriter:
         self._t0 = time.perf_counter()
         self._next_opt_step = 0
         self._closed = False
-        # Committed counts: rows [0, n) of each dataset are on disk and announced in /committed.
-        self._n_steps = self._n_evals = self._n_events = 0
+        # Committed count: records [0, n) of /steps are on disk and announced in /committed (the
+        # row tables keep their own, see _Table).
+        self._n_steps = 0
         B = flush_every
         self._buf = {name: np.empty((B, *shape), dtype) for name, (shape, dtype) in self._fields.items()}
         self._pending = 0  # buffered step records
-        self._evals: list[tuple[int, bytes, float]] = []
-        self._events: list[tuple[int, float, bytes, bytes, bytes]] = []
         # Hot-path shortcuts: attribute and dict lookups add up at ~1 µs per call.
         self._b_step, self._b_opt, self._b_policy = self._buf["step"], self._buf["opt_step"], self._buf["policy"]
         self._b_time, self._b_gram, self._b_tokens = self._buf["time"], self._buf["gram"], self._buf["tokens"]
@@ -168,7 +188,7 @@ class RunWriter:
         if self._G:
             self._ds["group_gram"].attrs["groups"] = f.attrs["groups"]
         self._ds["time"].attrs["units"] = "s"
-        for name, dtype in ((schema.EVALS, schema.EVAL_DTYPE), (schema.EVENTS, schema.EVENT_DTYPE)):
+        for name, (dtype, _) in schema.TABLES.items():
             ds = f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype,
                                   chunks=(_chunk_rows(dtype.itemsize),))
             ds.attrs["description"] = schema.DESCRIPTIONS[name]
@@ -178,6 +198,8 @@ class RunWriter:
         ds.attrs["description"] = schema.DESCRIPTIONS[schema.COMMITTED]
         self._ds[schema.COMMITTED] = ds
         self._append = {name: _Appender(d) for name, d in self._ds.items() if name != schema.COMMITTED}
+        self._tables = {name: _Table(dtype, schema.COMMITTED_FIELDS.index(counter), self._append[name])
+                        for name, (dtype, counter) in schema.TABLES.items()}
         self._committed_id = ds.id
         self._counts = np.zeros(len(schema.COMMITTED_FIELDS), "<i8")
 
@@ -295,19 +317,31 @@ class RunWriter:
         Names are free-form (e.g. ``"accuracy"``, ``"length/voter"``), at most 64 UTF-8 bytes
         (longer ones are truncated, see docs/format.md).
         """
+        self._log_long(schema.EVALS, "log_eval", "eval", step, values)
+
+    def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
+        """Buffer per-training-step metrics ``{name: value}`` at ``step`` (written at the next flush).
+
+        For what happens once per training step rather than per optimizer step (reward mean,
+        update norm or optimizer steps per policy, timings, ...). Names are free-form and need no
+        declaration, at most 64 UTF-8 bytes (longer ones are truncated, see docs/format.md).
+        """
+        self._log_long(schema.METRICS, "log_metrics", "metric", step, values)
+
+    def _log_long(self, table: str, method: str, what: str, step: int, values: Mapping[str, float]) -> None:
+        """Shared by the long tables (/evals, /metrics): one (step, name, value) row per entry."""
         if self._closed:
-            raise ValueError(f"{self.path}: log_eval on a closed RunWriter")
+            raise ValueError(f"{self.path}: {method} on a closed RunWriter")
         step = _as_int(step, "step")
         rows = []
         for name, value in values.items():
             try:
                 v = float(value)
             except (TypeError, ValueError):
-                raise ValueError(f"eval {name!r} must be a number, got {value!r}") from None
-            rows.append((step, _fit(name, schema.EVAL_NAME_BYTES, "eval name"), v))
-        self._evals.extend(rows)
-        if len(self._evals) >= _MAX_PENDING_ROWS:
-            self.flush()
+                raise ValueError(f"{what} {name!r} must be a number, got {value!r}") from None
+            # stacklevel 4: the warning points at the caller of log_eval/log_metrics.
+            rows.append((step, _fit(name, schema.NAME_BYTES, f"{what} name", stacklevel=4), v))
+        self._queue(table, rows)
 
     def log_event(self, step: int, kind: str, message: str, severity: str = "info") -> None:
         """Buffer an event (e.g. an alert) at training ``step`` (written at the next flush).
@@ -317,14 +351,19 @@ class RunWriter:
         """
         if self._closed:
             raise ValueError(f"{self.path}: log_event on a closed RunWriter")
-        self._events.append((
+        self._queue(schema.EVENTS, [(
             _as_int(step, "step"),
             time.perf_counter() - self._t0,
             _fit(kind, schema.EVENT_KIND_BYTES, "event kind"),
             _fit(severity, schema.EVENT_SEVERITY_BYTES, "event severity"),
             _fit(message, schema.EVENT_MESSAGE_BYTES, "event message"),
-        ))
-        if len(self._events) >= _MAX_PENDING_ROWS:
+        )])
+
+    def _queue(self, table: str, rows: list[tuple[Any, ...]]) -> None:
+        """Add validated rows to a table's pending ones; flush once too many are pending."""
+        pending = self._tables[table].rows
+        pending.extend(rows)
+        if len(pending) >= _MAX_PENDING_ROWS:
             self.flush()
 
     # --- flushing ------------------------------------------------------------------------------
@@ -342,27 +381,27 @@ class RunWriter:
     def _commit(self, closed: bool) -> None:
         f = self._f
         assert f is not None
+        counts = self._counts  # scratch: the committed state lives in _n_steps and _Table.n
         b = self._pending
-        n_steps = self._n_steps + b
+        counts[0] = self._n_steps + b
         if b:
             for name, buf in self._buf.items():
                 self._append[name].write(self._n_steps, buf[:b])
-        n_evals = self._n_evals + len(self._evals)
-        if self._evals:
-            self._append[schema.EVALS].write(self._n_evals, np.array(self._evals, schema.EVAL_DTYPE))
-        n_events = self._n_events + len(self._events)
-        if self._events:
-            self._append[schema.EVENTS].write(self._n_events, np.array(self._events, schema.EVENT_DTYPE))
+        for t in self._tables.values():
+            counts[t.field] = t.n + len(t.rows)
+            if t.rows:
+                t.append.write(t.n, np.array(t.rows, t.dtype))
+        counts[_CLOSED] = int(closed)
         # Data (and the new dataset extents) reach the file before the counters that announce
         # them: a reader that sees the counters finds the rows.
         f.flush()
-        self._counts[:] = (n_steps, n_evals, n_events, int(closed))
-        self._committed_id.write(h5s.ALL, h5s.ALL, self._counts)
+        self._committed_id.write(h5s.ALL, h5s.ALL, counts)
         f.flush()
-        self._n_steps, self._n_evals, self._n_events = n_steps, n_evals, n_events
+        self._n_steps = int(counts[0])
         self._pending = 0
-        self._evals.clear()
-        self._events.clear()
+        for t in self._tables.values():
+            t.n = int(counts[t.field])
+            t.rows.clear()
 
     def close(self) -> None:
         """Flush, mark the file as cleanly closed and close it. Safe to call more than once."""
@@ -373,6 +412,124 @@ class RunWriter:
             self._commit(closed=True)
         finally:
             self._f.close()
+
+    def _abandon(self) -> None:
+        """Close the file without committing anything more (the caller discards it)."""
+        self._closed = True
+        if self._f is not None:
+            with contextlib.suppress(Exception):
+                self._f.close()
+
+    # --- resuming ------------------------------------------------------------------------------
+
+    @classmethod
+    def resume(cls, path: str | os.PathLike[str], *, keep_below_step: int,
+               flush_every: int | None = None) -> RunWriter:
+        """Continue the run in ``path`` after a restart, keeping what was logged below a step.
+
+        For a trainer restarted from the checkpoint of training step ``keep_below_step``: the new
+        file keeps every committed record, evaluation, metric and event row with
+        ``step < keep_below_step`` (bit for bit, ``opt_step`` and ``time`` included) and drops the
+        rest, which the trainer will log again. It has the old file's metadata. The returned
+        writer appends after the kept records: the next default ``opt_step`` is the last kept one
+        + 1 and ``time`` continues from the last kept time (the downtime is not counted). An event
+        of kind ``"resume"`` at step ``keep_below_step`` says how many rows were kept and dropped.
+
+        The old file may have been closed cleanly or left behind by a killed writer (its writer
+        must not be running any more). A killed writer's file cannot be reopened for writing, so
+        the new file is written next to it (``<path>.resume-tmp``) and then atomically renamed
+        over it: if anything fails before that, the old file is untouched and the temporary file
+        removed.
+
+        Args:
+            path: the run file to continue.
+            keep_below_step: first training step to drop (and to be logged again).
+            flush_every: records per flush; default: the old file's ``flush_every``.
+
+        Raises:
+            RunFileError: the old file cannot be read as a run file, is of a newer schema, or the
+                new one cannot be written (one line; the old file is unchanged).
+            ValueError: ``keep_below_step`` or ``flush_every`` is not a valid integer.
+        """
+        path = os.fspath(path)
+        keep = _as_int(keep_below_step, "keep_below_step")
+        if flush_every is not None and _as_int(flush_every, "flush_every") < 1:
+            raise ValueError(f"flush_every must be >= 1, got {flush_every}")
+        tmp = path + RESUME_SUFFIX
+        w: RunWriter | None = None
+        try:
+            with open_run(path) as old:
+                version = schema.parse_version(old.schema_version)
+                if version > schema.parse_version(schema.SCHEMA_VERSION):
+                    raise RunFileError(f"{path}: schema version {old.schema_version} is newer than this "
+                                       f"gradscope writes ({schema.SCHEMA_VERSION}); resume it with a "
+                                       f"newer gradscope")
+                meta = old.meta
+                if flush_every is None:
+                    flush_every = meta.flush_every if meta.flush_every >= 1 else 10
+                w = cls(tmp, meta, flush_every, overwrite=True)
+                message = w._copy_below(old, keep)
+            w.log_event(keep, "resume", message)
+            w.flush()
+            _fsync(tmp)
+            with contextlib.suppress(OSError):
+                shutil.copymode(path, tmp)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            if w is not None:  # the temporary file is ours: discard it
+                w._abandon()
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+            if isinstance(exc, OSError):
+                raise RunFileError(f"{path}: cannot resume, the run file is unchanged "
+                                   f"({_one_line(exc)})") from None
+            raise
+        w.path = path
+        with contextlib.suppress(OSError):  # make the rename durable, where the OS allows
+            _fsync(os.path.dirname(os.path.abspath(path)))
+        return w
+
+    def _copy_below(self, old: RunReader, keep: int) -> str:
+        """Copy ``old``'s committed rows with ``step < keep`` into this (empty) file; position the
+        writer after them. Returns the message of the "resume" event."""
+        n = old.n_steps
+        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                        for shape, dtype in self._fields.values())
+        block = max(1, _COPY_BYTES // max(row_bytes, 1))
+        kept = 0
+        last_opt = -1
+        t_resume = 0.0
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            mask = old.read("step", lo, hi) < keep
+            m = int(np.count_nonzero(mask))
+            if not m:
+                continue
+            for name in self._fields:
+                rows = old.read(name, lo, hi)
+                if m < len(rows):
+                    rows = rows[mask]
+                self._append[name].write(kept, rows)
+                if name == "opt_step":
+                    last_opt = int(rows[-1])
+                elif name == "time":
+                    t_resume = max(t_resume, float(np.nanmax(rows)))
+            kept += m
+        self._n_steps = kept
+        tables = []
+        for name, t in self._tables.items():
+            rows = old.read_table(name)
+            sel = rows[rows["step"] < keep]
+            t.append.write(0, sel)
+            t.n = len(sel)
+            tables.append(f"{name} {len(sel)}/{len(rows) - len(sel)}")
+            if name == schema.EVENTS and len(sel):
+                t_resume = max(t_resume, float(np.nanmax(sel["time"])))
+        # Continue after the kept rows: opt_step from the last kept one, time from the latest.
+        self._next_opt_step = last_opt + 1
+        self._t0 = time.perf_counter() - t_resume
+        return (f"resumed below step {keep}: kept {kept} records, dropped {n - kept}; "
+                f"rows kept/dropped: {', '.join(tables)}")
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -408,6 +565,19 @@ class RunWriter:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.n_steps} records, {self._n_steps} committed"
         return f"RunWriter({self.path!r}, {state})"
+
+
+class _Table:
+    """A row table (/evals, /events, /metrics): rows logged since the last flush, committed count."""
+
+    __slots__ = ("dtype", "field", "append", "rows", "n")
+
+    def __init__(self, dtype: np.dtype, field: int, append: _Appender) -> None:
+        self.dtype = dtype
+        self.field = field  # index of its counter in /committed
+        self.append = append
+        self.rows: list[tuple[Any, ...]] = []
+        self.n = 0  # committed rows
 
 
 class _Appender:

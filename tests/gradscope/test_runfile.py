@@ -1,4 +1,4 @@
-"""The run file: round trip, writer validation, malformed files through ``gradscope info``."""
+"""The run file: round trip, writer validation, resume, malformed files through ``gradscope info``."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +16,9 @@ import pytest
 
 from gradscope.errors import RunFileError
 from gradscope.runfile import SCHEMA_VERSION, RunMeta, RunReader, RunWriter, open_run
+from gradscope.runfile import writer as writer_module
 from gradscope.runfile.info import render_info
+from gradscope.runfile.writer import RESUME_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ["voter0", "voter1", "voter2", "aggregator"]
@@ -45,13 +47,14 @@ def make_meta(**over: Any) -> RunMeta:
 
 def write_random_run(path: Path, n: int = 37, flush_every: int = 5, seed: int = 0,
                      meta: RunMeta | None = None) -> dict[str, Any]:
-    """Write ``n`` random records (plus evals and events); return what was logged."""
+    """Write ``n`` random records (plus evals, metrics and events); return what was logged."""
     meta = meta or make_meta()
     rng = np.random.default_rng(seed)
     K, G = len(meta.agents), len(meta.groups)
     logged: dict[str, list[Any]] = {k: [] for k in
                                     ("step", "opt_step", "policy", "gram", "group_gram", "tokens", "scalars")}
     evals: list[tuple[int, str, float]] = []
+    metrics: list[tuple[int, str, float]] = []
     events: list[tuple[int, str, str, str]] = []
     with RunWriter(path, meta, flush_every=flush_every) as w:
         for i in range(n):
@@ -76,10 +79,17 @@ def write_random_run(path: Path, n: int = 37, flush_every: int = 5, seed: int = 
                 values = {"accuracy": float(rng.uniform()), "length/voter": float(rng.integers(5, 50))}
                 w.log_eval(i // 2, values)
                 evals += [(i // 2, k, v) for k, v in values.items()]
+            if i % 2 == 1:  # end of a training step (two records each)
+                values = {"reward/mean": float(rng.normal()), "update_norm/voter_lora": float(rng.uniform()),
+                          "opt_steps/voter_lora": 2.0}
+                if i % 8 == 1:
+                    values["time/eval_s"] = np.nan  # NaN is data here too
+                w.log_metrics(i // 2, values)
+                metrics += [(i // 2, k, v) for k, v in values.items()]
             if i % 10 == 9:
                 w.log_event(i // 2, "amplification", f"coherence {i}", severity="warning")
                 events.append((i // 2, "amplification", "warning", f"coherence {i}"))
-    return {"meta": meta, "n": n, "evals": evals, "events": events,
+    return {"meta": meta, "n": n, "evals": evals, "metrics": metrics, "events": events,
             **{k: np.array(v, dtype=object if k == "policy" else None) for k, v in logged.items()}}
 
 
@@ -114,6 +124,19 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
         wide = run.evals_wide()
         assert sorted(wide.columns) == ["accuracy", "length/voter"]
         assert list(wide.index) == sorted({s for s, _, _ in want["evals"]})
+        metrics = run.metrics
+        assert run.n_metrics == len(want["metrics"]) == len(metrics)
+        assert list(metrics.columns) == ["step", "name", "value"]
+        assert metrics["step"].dtype == np.int64 and metrics["value"].dtype == np.float64
+        got = list(metrics.itertuples(index=False, name=None))
+        assert [(s, k) for s, k, _ in got] == [(s, k) for s, k, _ in want["metrics"]]
+        assert np.array_equal(_bits([v for *_, v in got]), _bits([v for *_, v in want["metrics"]]))
+        mwide = run.metrics_wide()
+        assert sorted(mwide.columns) == ["opt_steps/voter_lora", "reward/mean", "time/eval_s",
+                                         "update_norm/voter_lora"]
+        assert list(mwide.index) == sorted({s for s, _, _ in want["metrics"]})
+        for s, k, v in want["metrics"]:
+            assert _bits(mwide.loc[s, k]) == _bits(v)
         events = run.events
         assert list(events.columns) == ["step", "time", "kind", "severity", "message"]
         assert list(events[["step", "kind", "severity", "message"]].itertuples(index=False, name=None)) \
@@ -141,8 +164,14 @@ def test_plain_h5py_layout(tmp_path: Path) -> None:
         assert f["steps/group_gram"].shape == (12, 2, 4, 4)
         assert f["steps/tokens"].dtype == np.int64 and f["steps/policy"].dtype == np.int16
         assert f["steps/step"].maxshape == (None,)
-        assert list(f["committed"][()]) == [12, len(want["evals"]), len(want["events"]), 1]
+        assert list(f["committed"][()]) == [12, len(want["evals"]), len(want["events"]),
+                                            len(want["metrics"]), 1]
+        assert list(f["committed"].attrs["fields"]) == ["n_steps", "n_evals", "n_events", "n_metrics",
+                                                        "closed"]
         assert f["evals"].dtype.names == ("step", "name", "value")
+        assert f["metrics"].dtype == f["evals"].dtype and f["metrics"].maxshape == (None,)
+        assert f["metrics"].dtype["name"] == np.dtype("S64") and f["metrics"].dtype["value"] == np.float64
+        assert f["metrics"][1]["name"] == b"update_norm/voter_lora" and f["metrics"][1]["step"] == 0
         assert f["events"].dtype.names == ("step", "time", "kind", "severity", "message")
 
 
@@ -158,7 +187,8 @@ def test_minimal_metadata(tmp_path: Path) -> None:
         assert run.group_gram is None
         assert run.scalars.shape == (4, 0)
         assert list(run.policy) == [None] * 4
-        assert run.evals.empty and run.events.empty
+        assert run.evals.empty and run.events.empty and run.metrics.empty and run.n_metrics == 0
+        assert run.metrics_wide().empty and run.evals_wide().empty
         assert np.array_equal(run.gram[:, 0, 0], [0.0, 1.0, 2.0, 3.0])
     assert "4 complete" in render_info(path)
 
@@ -211,10 +241,13 @@ def test_strings_are_truncated_by_rule(tmp_path: Path) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             w.log_eval(0, {long_name: 1.0})
+            w.log_metrics(0, {long_name: 2.0})
             w.log_event(0, "alert", message, severity="critical")
-        assert len(caught) == 2 and all("truncated" in str(c.message) for c in caught)
+        assert len(caught) == 3 and all("truncated" in str(c.message) for c in caught)
+        assert all(c.filename == __file__ for c in caught)  # the warning points at the caller
     with open_run(path) as run:
         assert run.evals["name"][0] == "x" * 61 + "..."
+        assert run.metrics["name"][0] == "x" * 61 + "..."
         got = run.events["message"][0]
         assert got == "é" * 126 + "..." and len(got.encode()) <= 256
         assert run.events["severity"][0] == "critical"
@@ -247,6 +280,35 @@ def test_log_step_validation(tmp_path: Path, kwargs: dict[str, Any], match: str)
             w.log_step(args.pop("step"), args.pop("gram"), args.pop("tokens"), **args)
     with open_run(tmp_path / "v.h5") as run:
         assert run.n_steps == 1  # the rejected record left no trace
+
+
+def test_log_metrics_validation(tmp_path: Path) -> None:
+    w = RunWriter(tmp_path / "m.h5", make_meta())
+    w.log_metrics(0, {"ok": 1})
+    with pytest.raises(ValueError, match="metric 'bad' must be a number"):
+        w.log_metrics(1, {"fine": 1.0, "bad": "high"})
+    with pytest.raises(ValueError, match="eval 'bad' must be a number"):
+        w.log_eval(1, {"bad": None})
+    with pytest.raises(ValueError, match="step must be an integer"):
+        w.log_metrics(1.5, {"x": 1.0})
+    w.log_metrics(2, {})  # nothing to log is fine
+    w.close()
+    with pytest.raises(ValueError, match="log_metrics on a closed RunWriter"):
+        w.log_metrics(3, {"x": 1.0})
+    with open_run(tmp_path / "m.h5") as run:
+        # Rejected calls left no rows, not even the valid entries logged with a bad one.
+        assert list(run.metrics.itertuples(index=False, name=None)) == [(0, "ok", 1.0)]
+
+
+def test_many_pending_rows_are_flushed(tmp_path: Path) -> None:
+    """More than 1024 pending metric rows are written without waiting for the next record."""
+    path = tmp_path / "many.h5"
+    w = RunWriter(path, make_meta(), flush_every=1000)
+    w.log_metrics(0, {f"m{j}": float(j) for j in range(1500)})
+    assert w.n_committed == 0 and w._tables["metrics"].n == 1500 and not w._tables["metrics"].rows
+    w.close()
+    with open_run(path) as run:
+        assert run.n_metrics == 1500 and run.metrics_wide().shape == (1, 1500)
 
 
 def test_group_gram_needs_declared_groups(tmp_path: Path) -> None:
@@ -295,6 +357,187 @@ def test_versions_do_not_import_torch(tmp_path: Path) -> None:
     assert "python" in out.stdout
 
 
+# --- resume -------------------------------------------------------------------------------------
+
+STEP_DATASETS = ("step", "opt_step", "policy", "time", "gram", "group_gram", "tokens", "scalars")
+
+
+def _snapshot(path: Path) -> tuple[RunMeta, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    with open_run(path) as run:
+        return (run.meta, {name: run.read(name) for name in STEP_DATASETS},
+                {t: run.read_table(t) for t in ("evals", "metrics", "events")})
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equality, for plain and structured arrays alike."""
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("keep, flush_every", [(0, None), (9, None), (17, 4), (1000, 3)])
+def test_resume_a_closed_run(tmp_path: Path, keep: int, flush_every: int | None) -> None:
+    path = tmp_path / "run.h5"
+    write_random_run(path)  # 37 records at steps 0..18, explicit opt_steps from record 30 on
+    meta, old, old_tables = _snapshot(path)
+    kept = old["step"] < keep
+    n_kept = int(kept.sum())
+
+    w = RunWriter.resume(path, keep_below_step=keep, flush_every=flush_every)
+    assert not Path(str(path) + RESUME_SUFFIX).exists()
+    assert w.path == str(path) and w.n_steps == w.n_committed == n_kept
+    assert w.flush_every == (flush_every or 5)
+    with w:
+        for j in range(6):
+            w.log_step(keep + j // 2, np.eye(4) * j, np.full(4, j), policy="agg_lora", scalars={"loss": -j})
+        w.log_eval(keep, {"accuracy": 0.5})
+        w.log_metrics(keep, {"reward/mean": 1.5})
+        w.log_event(keep + 1, "alert", "after the resume")
+
+    with open_run(path) as run:
+        assert run.closed and run.n_steps == n_kept + 6
+        assert run.meta == dataclasses.replace(meta, flush_every=flush_every or 5)
+        for name, values in old.items():  # kept records: bit for bit, opt_step and time included
+            assert _same(run.read(name)[:n_kept], values[kept]), name
+        assert list(run.step[n_kept:]) == [keep + j // 2 for j in range(6)]
+        assert list(run.policy[n_kept:]) == ["agg_lora"] * 6
+        last_opt = int(old["opt_step"][kept][-1]) if n_kept else -1
+        assert list(run.opt_step[n_kept:]) == list(range(last_opt + 1, last_opt + 7))  # continuous
+        old_events = old_tables["events"]
+        t_kept = max([0.0, *old["time"][kept], *old_events["time"][old_events["step"] < keep]])
+        assert np.all(np.diff(run.time) >= 0) and np.all(run.time[n_kept:] >= t_kept)
+        n_rows = {}
+        for t, table in old_tables.items():  # kept rows bit for bit, later ones dropped
+            rows = table[table["step"] < keep]
+            n_rows[t] = len(rows)
+            assert _same(run.read_table(t)[: len(rows)], rows), t
+        assert list(run.evals.iloc[n_rows["evals"]:].itertuples(index=False, name=None)) \
+            == [(keep, "accuracy", 0.5)]
+        assert list(run.metrics.iloc[n_rows["metrics"]:].itertuples(index=False, name=None)) \
+            == [(keep, "reward/mean", 1.5)]
+        events = run.events.iloc[n_rows["events"]:]
+        assert list(events[["step", "kind", "severity"]].itertuples(index=False, name=None)) \
+            == [(keep, "resume", "info"), (keep + 1, "alert", "info")]
+        message = events["message"].iloc[0]
+        assert message.startswith(f"resumed below step {keep}: kept {n_kept} records, dropped {37 - n_kept}; "
+                                  f"rows kept/dropped: evals ")
+        dropped = {t: len(old_tables[t]) - n_rows[t] for t in n_rows}
+        for t in ("evals", "metrics", "events"):
+            assert f"{t} {n_rows[t]}/{dropped[t]}" in message, message
+        assert events["time"].iloc[0] >= t_kept
+    text = render_info(path)
+    assert f"{n_kept + 6} complete" in text and "closed cleanly" in text and "reward/mean" in text
+
+
+def test_resume_repeatedly(tmp_path: Path) -> None:
+    """Resume events are rows like any other: a later resume further back drops earlier ones."""
+    path = tmp_path / "run.h5"
+    write_random_run(path)
+    with RunWriter.resume(path, keep_below_step=12) as w:
+        w.log_step(12, np.eye(4), np.ones(4, dtype=int))
+    with RunWriter.resume(path, keep_below_step=14):
+        pass
+    with open_run(path) as run:
+        assert run.n_steps == 25 and list(run.opt_step[-2:]) == [23, 24]
+        resumes = run.events[run.events["kind"] == "resume"]
+        assert list(resumes["step"]) == [12, 14]
+        assert "kept 25 records, dropped 0" in resumes["message"].iloc[1]
+    with RunWriter.resume(path, keep_below_step=5):
+        pass
+    with open_run(path) as run:
+        assert run.n_steps == 10 and list(run.events["kind"]) == ["amplification", "resume"]
+        assert "kept 10 records, dropped 15" in run.events["message"].iloc[1]
+
+
+def test_resume_replaces_a_stale_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.h5"
+    write_random_run(path)
+    path.chmod(0o640)
+    tmp = Path(str(path) + RESUME_SUFFIX)
+    tmp.write_bytes(b"left behind by a resume that was killed")
+    RunWriter.resume(path, keep_below_step=5).close()
+    assert not tmp.exists() and (path.stat().st_mode & 0o777) == 0o640
+    with open_run(path) as run:
+        assert run.n_steps == 10 and run.closed
+
+
+def test_resume_failures_leave_the_original(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "run.h5"
+    write_random_run(path)
+    original = path.read_bytes()
+    tmp = Path(str(path) + RESUME_SUFFIX)
+
+    def assert_intact() -> None:
+        assert path.read_bytes() == original
+        assert not tmp.exists()
+
+    # Nothing (readable) to resume: one line, nothing created.
+    with pytest.raises(RunFileError, match="no such file"):
+        RunWriter.resume(tmp_path / "missing.h5", keep_below_step=3)
+    bad = tmp_path / "bad.h5"
+    bad.write_text("hello\n")
+    with pytest.raises(RunFileError, match="not an HDF5 file") as err:
+        RunWriter.resume(bad, keep_below_step=3)
+    assert "\n" not in str(err.value) and str(bad) in str(err.value)
+    cut = tmp_path / "cut.h5"
+    cut.write_bytes(original[: len(original) // 2])
+    with pytest.raises(RunFileError, match="truncated"):
+        RunWriter.resume(cut, keep_below_step=3)
+    newer = _modify(path, tmp_path / "v17.h5", _set_attr("schema_version", "1.7"))
+    newer_bytes = newer.read_bytes()
+    with pytest.raises(RunFileError, match="newer than this gradscope writes"):
+        RunWriter.resume(newer, keep_below_step=3)
+    assert bad.read_text() == "hello\n" and newer.read_bytes() == newer_bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.h5", "cut.h5", "run.h5", "v17.h5"]
+
+    # Bad arguments.
+    with pytest.raises(ValueError, match="keep_below_step must be an integer"):
+        RunWriter.resume(path, keep_below_step="3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flush_every"):
+        RunWriter.resume(path, keep_below_step=3, flush_every=0)
+    assert_intact()
+
+    # The temporary path is taken by a directory (not ours to remove).
+    tmp.mkdir()
+    with pytest.raises(RunFileError, match="is a directory"):
+        RunWriter.resume(path, keep_below_step=3)
+    assert tmp.is_dir() and path.read_bytes() == original
+    tmp.rmdir()
+
+    # Failures after the temporary file exists: it is removed, the original is untouched.
+    def fail_replace(src: Any, dst: Any) -> None:
+        assert Path(src) == tmp and tmp.exists()
+        raise OSError(18, "Invalid cross-device link")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", fail_replace)
+        with pytest.raises(RunFileError, match="cannot resume, the run file is unchanged .*cross-device"):
+            RunWriter.resume(path, keep_below_step=3)
+    assert_intact()
+
+    def damaged(self: RunReader, name: str) -> np.ndarray:
+        raise RunFileError(f"{self.path}: damaged run file, failed reading /{name}")
+
+    with monkeypatch.context() as m:
+        m.setattr(RunReader, "read_table", damaged)
+        with pytest.raises(RunFileError, match="damaged run file"):
+            RunWriter.resume(path, keep_below_step=3)
+    assert_intact()
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(RunWriter, "log_event", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            RunWriter.resume(path, keep_below_step=3)
+    assert_intact()
+
+    # And after all that it still resumes.
+    RunWriter.resume(path, keep_below_step=3).close()
+    with open_run(path) as run:
+        assert run.n_steps == 6 and run.events["kind"].tolist() == ["resume"]
+
+
 # --- gradscope info and malformed files ---------------------------------------------------------
 
 
@@ -303,10 +546,25 @@ def test_render_info(tmp_path: Path) -> None:
     want = write_random_run(path)
     text = render_info(path)
     last_acc = [v for _, name, v in want["evals"] if name == "accuracy"][-1]
+    n_metrics = len(want["metrics"])
     for needle in ("schema 1.0", "closed cleanly", "voter0 (voter)", "aggregator x1", "voter_lora",
                    "layer0 (4,096 params)", "split", "37 complete", "0 .. 18", "loss, lr, kl/voter",
-                   f"last accuracy {last_acc:.4g}", "amplification", "total norm", "shares: voter"):
+                   f"last accuracy {last_acc:.4g}", "amplification", "total norm", "shares: voter",
+                   f"{n_metrics} rows at 18 steps; 4 names: reward/mean, update_norm/voter_lora, "
+                   f"opt_steps/voter_lora, time/eval_s"):
         assert needle in text, f"{needle!r} missing from:\n{text}"
+
+
+def test_render_info_abbreviates_metric_names(tmp_path: Path) -> None:
+    path = tmp_path / "many.h5"
+    with RunWriter(path, make_meta()) as w:
+        w.log_metrics(3, {f"metric{j}": j for j in range(30)})
+    line = [ln for ln in render_info(path).splitlines() if ln.startswith("metrics")]
+    assert line == ["metrics        30 rows at 1 steps; 30 names: metric0, metric1, metric2, metric3, "
+                    "metric4, metric5, metric6, metric7, ... (+22 more)"], line
+    RunWriter(tmp_path / "none.h5", make_meta()).close()
+    lines = render_info(tmp_path / "none.h5").splitlines()
+    assert any(ln.split() == ["metrics", "0", "rows"] for ln in lines)
 
 
 def _modify(src: Path, dst: Path, fn: Any) -> Path:
@@ -329,6 +587,12 @@ def _del(name: str) -> Any:
         else:
             del f.attrs[name]
     return fn
+
+
+def _short_committed(f: h5py.File) -> None:
+    """/committed of four counters, as before /metrics existed."""
+    del f["committed"]
+    f["committed"] = np.array([200, 0, 0, 1], "<i8")
 
 
 def _three_agents(f: h5py.File) -> None:
@@ -361,6 +625,10 @@ BAD_FILES: dict[str, tuple[Any, str]] = {
                         "missing required datasets: /steps/gram"),
     "missing_committed": (lambda good, d: _modify(good, d / "nocommit.h5", _del("committed")),
                           "missing required datasets: /committed"),
+    "missing_metrics": (lambda good, d: _modify(good, d / "nometrics.h5", _del("metrics")),
+                        "missing required datasets: /metrics"),
+    "short_committed": (lambda good, d: _modify(good, d / "short.h5", _short_committed),
+                        "/committed has shape (4,), expected (5,)"),
     "bad_metadata": (lambda good, d: _modify(good, d / "json.h5", _set_attr("agents", "[not json")),
                      "invalid run metadata"),
     "wrong_record_shape": (lambda good, d: _modify(good, d / "k.h5", _three_agents),
