@@ -14,7 +14,9 @@ from gradscope.errors import GradscopeError
 EXIT_USAGE = 2
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2."""
+
     def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
         print(f"gradscope: error: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -28,23 +30,35 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from trainers.toy import run_demo
+    from trainers.demo import run_demo
 
-    run_demo(args.out)
+    run_demo(args.out, steps=args.steps)
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from trainers.cli import train_main  # torch and the trainer stack load only for this command
+
+    return train_main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gradscope", description="Gradient-dynamics diagnostics for multi-agent RL.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = ArgumentParser(prog="gradscope", description="Gradient-dynamics diagnostics for multi-agent RL.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     p = sub.add_parser("info", help="print what a run file holds")
     p.add_argument("run", help="path to a run file (.h5)")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("demo", help="the main job: a small probed training run, then its summary")
+    p = sub.add_parser("demo", help="the main job: train Voting/math with IP and SP on the testbed")
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
+    p.add_argument("--steps", type=int, default=300, help="training steps per run")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("train", help="train a workflow with GRPO, probed (see gradscope train --help)",
+                       add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_train)
     return parser
 
 

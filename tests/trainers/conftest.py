@@ -1,0 +1,9 @@
+"""Trainer tests share one warm-started testbed (built once, ~1 min, then cached on disk)."""
+import pytest
+
+from trainers.testbed.warmstart import warm_started_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def testbed_warm_start():
+    warm_started_model(verbose=True)

@@ -1,0 +1,202 @@
+"""The training stack end to end on the testbed: every workflow and task, IP and SP, resume."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradscope.errors import ConfigError
+from gradscope.runfile import open_run
+from trainers.config import TrainConfig
+from trainers.grpo import GRPOConfig, advantages
+from trainers.policy import parse_policy
+from trainers.tasks.base import Task
+from trainers.train import Trainer
+from trainers.workflows.base import Episode, Sample
+
+GRADSCOPE = [sys.executable, "-m", "gradscope.cli"]
+
+
+def small(tmp_path: Path, **kw) -> TrainConfig:
+    """A run of a few seconds: 2 tasks × 4 rollouts per step."""
+    defaults = dict(steps=3, tasks_per_step=2, n_held_out=4, n_train=40, eval_every=2, checkpoint_every=0,
+                    out=str(tmp_path / "run.h5"), grpo=GRPOConfig(group_size=4))
+    defaults.update(kw)
+    return TrainConfig(**defaults)
+
+
+# ---------------------------------------------------------------- units
+def test_policy_map_parsing():
+    roles = ["voter", "aggregator"]
+    assert parse_policy("ip", roles).role_to_adapter == {"voter": "voter", "aggregator": "aggregator"}
+    assert parse_policy("sp", roles).adapters == ["shared"]
+    assert parse_policy("voter=a, aggregator=a", roles).adapters == ["a"]
+    with pytest.raises(ConfigError, match="unknown role 'critic'"):
+        parse_policy("voter=a,critic=b", roles)
+    with pytest.raises(ConfigError, match=r"no adapter for roles \['aggregator'\]"):
+        parse_policy("voter=a", roles)
+    with pytest.raises(ConfigError, match="bad --policy entry"):
+        parse_policy("voter", roles)
+
+
+def test_grpo_advantages_by_task_agent_turn():
+    """Groups are (task, agent, turn); a group of one keeps A = r (verl's convention)."""
+    t1, t2 = Task("t1", "math", "1+1=", "2", {}), Task("t2", "math", "2+2=", "4", {})
+    s = Sample([1], [2], "x")
+    eps = []
+    for task, reward, turns in [(t1, 1.0, 1), (t1, 0.0, 2), (t1, 0.0, 1), (t2, 1.0, 1)]:
+        ep = Episode(task, reward=reward)
+        for _ in range(turns):
+            ep.add("gen", "generator", "p", s, True)
+        eps.append(ep)
+    adv = {id(t): a for t, a in advantages(eps)}
+    r = np.array([1.0, 0.0, 0.0])
+    expected = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+    assert [adv[id(eps[i].turns[0])] for i in range(3)] == pytest.approx(expected)
+    assert adv[id(eps[1].turns[1])] == 0.0  # turn 1 exists in one episode only: A = r = 0
+    assert adv[id(eps[3].turns[0])] == 1.0  # task t2 alone: A = r = 1
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.mark.parametrize("workflow", ["voting", "eval-opt", "orch-workers"])
+@pytest.mark.parametrize("task", ["math", "code"])
+def test_every_workflow_and_task_runs(tmp_path, workflow, task):
+    cfg = small(tmp_path, workflow=workflow, task=task, policy="ip", steps=2)
+    Trainer(cfg).run()
+    with open_run(cfg.out) as run:
+        K = len(run.meta.agents)
+        assert run.gram.shape[1:] == (K, K) and run.n_steps >= 2
+        assert set(run.step) == {1, 2}
+        assert run.closed
+        evals = run.evals_wide()
+        assert list(evals.index) == [0, 2]
+        for role in run.meta.roles:
+            assert 0.0 <= evals[f"format_valid/{role}"].iloc[0] <= 1.0
+            assert f"length/{role}" in evals
+        assert json.loads(json.dumps(run.meta.config))["workflow"] == workflow
+
+
+def test_ip_and_sp_gram_structure_and_probe_matches_trainer(tmp_path):
+    """IP: voter–aggregator entries are exactly 0; SP: they are not. The probe's total norm equals
+    the trainer's own pre-clipping grad norm, record by record; a 3-voter role takes 3× the steps."""
+    runs = {}
+    for policy in ("ip", "sp"):
+        cfg = small(tmp_path, policy=policy, out=str(tmp_path / f"{policy}.h5"), probe="gram,groups")
+        Trainer(cfg).run()
+        runs[policy] = open_run(cfg.out)
+    ip, sp = runs["ip"], runs["sp"]
+    voters = [i for i, r in enumerate(ip.meta.agent_roles) if r == "voter"]
+    agg = ip.meta.agent_roles.index("aggregator")
+    assert np.all(ip.gram[:, voters, agg] == 0)
+    both = (sp.gram[:, agg, agg] > 0) & (sp.gram[:, voters, voters].max(axis=1) > 0)
+    assert both.sum() >= 3  # records where both roles pushed (zero advantages give zero gradients)
+    assert np.all(np.abs(sp.gram[both][:, voters, agg]).max(axis=1) > 0)
+    assert ip.meta.groups == ["voter", "aggregator"] and sp.meta.groups == ["shared"]
+    np.testing.assert_allclose(ip.group_gram.sum(axis=1), ip.gram, rtol=1e-12)
+    for run in (ip, sp):
+        total = np.sqrt(run.gram.sum(axis=(1, 2)))
+        np.testing.assert_allclose(total, run.scalars["grad_norm"], rtol=1e-4)
+    metrics = ip.metrics_wide()
+    assert (metrics["opt_steps/voter"] == 3 * metrics["opt_steps/aggregator"]).all()
+    assert (sp.metrics_wide()["opt_steps/shared"] == 4).all()
+    assert set(ip.policy) == {"voter", "aggregator"}
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Crash after step 3 (checkpoint at 2): resume drops step 3 and redoes it; the result equals an
+    uninterrupted run, record for record."""
+    full = small(tmp_path, steps=5, checkpoint_every=2, out=str(tmp_path / "full.h5"))
+    Trainer(full).run()
+    cut = small(tmp_path, steps=3, checkpoint_every=2, out=str(tmp_path / "cut.h5"))
+    Trainer(cut).run()
+    # the "crash": the final checkpoint of step 3 never happened; keep the one of step 2
+    ckpt = Path(cut.out + ".ckpt")
+    Trainer(dataclasses.replace(cut, steps=2, out=str(tmp_path / "scratch.h5"))).run()
+    (ckpt / "latest").rename(ckpt / "gone")
+    (Path(str(tmp_path / "scratch.h5") + ".ckpt") / "latest").rename(ckpt / "latest")
+    Trainer(dataclasses.replace(cut, steps=5, resume=True)).run()
+    with open_run(full.out) as a, open_run(cut.out) as b:
+        assert list(b.step) == list(a.step) and list(b.opt_step) == list(a.opt_step)
+        np.testing.assert_allclose(b.gram, a.gram, rtol=1e-5, atol=1e-12)
+        assert (b.events["kind"] == "resume").sum() == 1
+        assert list(b.evals_wide().index) == list(a.evals_wide().index)
+
+
+def test_checkpoint_adapters_load_with_peft(tmp_path):
+    from peft import PeftModel
+
+    from trainers.testbed.warmstart import warm_started_model
+
+    cfg = small(tmp_path, steps=1)
+    trainer = Trainer(cfg)
+    trainer.run()
+    folder = Path(cfg.out + ".ckpt") / "latest" / "adapters"
+    model = PeftModel.from_pretrained(warm_started_model(), folder / "voter", adapter_name="voter")
+    trained = dict(trainer.model.named_parameters())
+    for name, p in model.named_parameters():
+        if ".lora_B.voter." in name:
+            assert torch.equal(p, trained[name].detach())
+
+
+# ---------------------------------------------------------------- command line
+@pytest.mark.parametrize("args, message", [
+    (["--workflow", "debate"], "unknown workflow 'debate'"),
+    (["--policy", "voter=a,critic=b"], "unknown role 'critic'"),
+    (["--model", "/nonexistent/model"], "not a local Hugging Face model folder"),
+    (["--task-file", "BAD"], ":2:"),
+    (["--out", "/nonexistent-dir/run.h5"], "does not exist"),
+    (["--probe", "everything"], "unknown --probe"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "#### 2"}\n{not json\n')
+    args = [str(bad) if a == "BAD" else a for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "run.h5")]
+    proc = subprocess.run(GRADSCOPE + ["train", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradscope: error:") and message in lines[0], proc.stderr
+    assert not (tmp_path / "run.h5").exists()
+
+
+def test_existing_run_file_is_not_overwritten(tmp_path):
+    out = tmp_path / "run.h5"
+    out.write_bytes(b"precious")
+    proc = subprocess.run(GRADSCOPE + ["train", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    assert out.read_bytes() == b"precious"
+
+
+def test_ctrl_c_leaves_a_readable_run_file(tmp_path):
+    out = tmp_path / "run.h5"
+    proc = subprocess.Popen(GRADSCOPE + ["train", "--steps", "500", "--tasks-per-step", "2", "--group-size", "4",
+                                         "--n-held-out", "4", "--eval-every", "0", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.5)
+        if out.exists():
+            try:
+                with open_run(out) as run:
+                    if run.n_steps >= 10:
+                        break
+            except Exception:  # the file may be between creation and SWMR start
+                pass
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    with open_run(out) as run:
+        assert run.closed and run.n_steps >= 10
+        assert np.isfinite(run.gram).all()

@@ -1,0 +1,64 @@
+"""Checkpoints: the adapters (loadable with peft) plus everything needed to resume exactly.
+
+``<run>.h5.ckpt/latest/adapters/`` is ``PeftModel.save_pretrained`` output (one folder per adapter);
+``state.pt`` holds the adapter tensors, optimizer states and every random generator's state.
+The folder is written beside and swapped in atomically, so a crash mid-save keeps the previous one.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gradscope.errors import ConfigError
+from gradscope.peft_support import adapter_parameters
+
+
+def save_checkpoint(folder: Path, step: int, model, updater, trainer) -> Path:
+    """Save after training step ``step``; returns the checkpoint folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp, final = folder / "tmp", folder / "latest"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "adapters", selected_adapters=list(model.peft_config))
+    torch.save({
+        "step": step,
+        "adapters": {n: p.detach().cpu() for ps in adapter_parameters(model).values() for n, p in ps},
+        "optimizers": {a: opt.state_dict() for a, opt in updater.optimizers.items()},
+        "updater_rng": updater.rng.getstate(),
+        "task_rng": trainer.task_rng.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }, tmp / "state.pt")
+    old = folder / "old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(folder: Path, model, updater, trainer) -> int:
+    """Restore the latest checkpoint; returns the training step it was taken after."""
+    path = folder / "latest" / "state.pt"
+    if not path.is_file():
+        raise ConfigError(f"--resume: no checkpoint at {path}")
+    state = torch.load(path, weights_only=False)
+    params = {n: p for ps in adapter_parameters(model).values() for n, p in ps}
+    if set(params) != set(state["adapters"]):
+        raise ConfigError(f"--resume: checkpoint {path} was made with other adapters or another model")
+    with torch.no_grad():
+        for name, value in state["adapters"].items():
+            params[name].copy_(value)
+    for adapter, opt in updater.optimizers.items():
+        opt.load_state_dict(state["optimizers"][adapter])
+    updater.rng.setstate(state["updater_rng"])
+    trainer.task_rng.setstate(state["task_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    np.random.set_state(state["numpy_rng"])
+    random.setstate(state["python_rng"])
+    return int(state["step"])

@@ -1,0 +1,31 @@
+"""``gradscope train``: flags → TrainConfig → Trainer, with a progress bar."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from gradscope.cli import ArgumentParser
+from trainers.config import add_arguments, from_arguments
+from trainers.train import Trainer
+
+
+def train_main(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(prog="gradscope train",
+                            description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
+    add_arguments(parser)
+    cfg = from_arguments(parser.parse_args(list(argv)))
+    trainer = Trainer(cfg, verbose=True)
+    last_acc: list[float] = []
+    with tqdm(total=trainer.cfg.steps, desc=f"{cfg.workflow}/{cfg.task}/{cfg.policy}", unit="step",
+              dynamic_ncols=True) as bar:
+        def progress(step: int, metrics: dict[str, float]) -> None:
+            if "eval_accuracy" in metrics:
+                last_acc[:] = [metrics["eval_accuracy"]]
+            bar.n = step
+            bar.set_postfix(reward=f"{metrics['train/accuracy']:.2f}",
+                            eval_acc=f"{last_acc[0]:.3f}" if last_acc else "-")
+
+        out = trainer.run(on_step=progress)
+    print(f"wrote {out}")
+    return 0

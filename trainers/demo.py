@@ -1,0 +1,45 @@
+"""``gradscope demo``: Voting on math with Isolated- and Shared-Policy on the testbed, probed.
+
+Writes ``ip.h5`` and ``sp.h5`` into the output folder and prints, per run, the held-out accuracy of
+the base model, the peak and the final one, and what the probe saw (voter–aggregator Gram entries
+are exactly 0 under IP, where the roles own disjoint adapters, and not under SP).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gradscope.runfile import open_run
+from trainers.config import TrainConfig
+from trainers.train import Trainer
+
+
+def run_demo(out_dir: str | Path, steps: int = 300) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for policy in ("ip", "sp"):
+        t0 = time.perf_counter()
+        cfg = TrainConfig(workflow="voting", task="math", policy=policy, steps=steps, eval_every=25,
+                          out=str(out_dir / f"{policy}.h5"), overwrite=True, checkpoint_every=0)
+        print(f"training voting/math/{policy} for {steps} steps ...", flush=True)
+        paths.append(Trainer(cfg, verbose=True).run())
+        print(summary(paths[-1]) + f"\n  time      {time.perf_counter() - t0:.0f} s", flush=True)
+    return paths
+
+
+def summary(path: Path) -> str:
+    """Accuracy base/peak/final and the probe's cross-role Gram entries of a run."""
+    with open_run(path) as run:
+        acc = run.evals_wide()["accuracy"]
+        roles = np.array(run.meta.agent_roles)
+        gram = run.gram
+        cross = np.abs(gram[:, roles == "voter"][:, :, roles == "aggregator"]).max() if len(gram) else float("nan")
+        lines = [f"{path}",
+                 f"  accuracy  base {acc.iloc[0]:.3f}  peak {acc.max():.3f} (step {acc.idxmax()})  "
+                 f"final {acc.iloc[-1]:.3f}",
+                 f"  probe     {run.n_steps} optimizer-step records over {len(set(run.step))} steps, "
+                 f"K={len(run.meta.agents)}; max |voter-aggregator Gram entry| = {cross:.3g}"]
+    return "\n".join(lines)

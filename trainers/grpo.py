@@ -1,0 +1,206 @@
+"""GRPO as in the paper, optimised as in verl: per-policy mini-batches, one optimizer step each.
+
+* Reward: the episode's binary final outcome, copied to every turn of every agent.
+* Advantage: normalised within groups keyed by ``(task, agent, turn)``:
+  ``A = (r − mean) / (std + 1e-6)``; a group of one keeps ``A = r`` (verl's convention).
+* Loss: the clipped surrogate with asymmetric clipping ``[1 − clip_low, 1 + clip_high]``, averaged
+  over the completion tokens of a mini-batch ("token-mean"); optional k3 KL to the base model.
+* Each policy's samples (one adapter's turns) are shuffled and split into mini-batches of
+  ``mini_batch_size`` samples; each mini-batch is one probed optimizer step. A role with three
+  agents therefore takes about three times the optimizer steps of a one-agent role.
+"""
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gradscope.peft_support import use_adapter
+from gradscope.probe import Probe, StepResult
+from trainers.flags import flag
+from trainers.policy import PolicyMap
+from trainers.rollout import pack, token_logprobs
+from trainers.workflows.base import Episode, Turn
+
+#: Scalars logged with every optimizer step (the run file's per-record scalars).
+STEP_SCALARS = ["loss", "clip_frac", "grad_norm", "lr", "samples", "tokens", "kl"]
+
+
+@dataclass
+class GRPOConfig:
+    """Optimisation settings (defaults: the paper's, DESIGN.md). Every field is a ``train`` flag."""
+
+    group_size: int = flag(8, "rollouts per task (the GRPO group)")
+    clip_low: float = flag(0.2, "ratio clipped below at 1 - clip_low")
+    clip_high: float = flag(0.28, "ratio clipped above at 1 + clip_high")
+    kl_coef: float = flag(0.0, "k3 KL penalty to the base model, per token (the paper's anchor when > 0)")
+    lr: float = flag(0.0, "AdamW learning rate (0: 2e-5 as in the paper; 1e-3 for the testbed)")
+    warmup_steps: int = flag(15, "linear LR warm-up, in training steps")
+    weight_decay: float = flag(0.01, "AdamW weight decay")
+    grad_clip: float = flag(1.0, "max grad norm per optimizer step (0: off)")
+    mini_batch_size: int = flag(0, "samples per optimizer step (0: tasks_per_step x group_size)")
+    temperature: float = flag(0.7, "sampling temperature (log-probs use the same)")
+    shuffle: bool = flag(True, "shuffle a policy's samples before splitting them into mini-batches")
+
+
+@dataclass
+class TrainSample:
+    turn: Turn
+    agent: int         # index into the probe's agents
+    advantage: float
+    old_logprobs: torch.Tensor | None = None  # (T_completion,)
+    ref_logprobs: torch.Tensor | None = None
+
+
+def advantages(episodes: Sequence[Episode]) -> list[tuple[Turn, float]]:
+    """Every turn with its GRPO advantage, grouped by (task, agent, turn index)."""
+    groups: dict[tuple, list[tuple[Turn, float]]] = defaultdict(list)
+    for ep in episodes:
+        for turn in ep.turns:
+            groups[(ep.task.id, turn.agent, turn.turn)].append((turn, ep.reward))
+    out = []
+    for members in groups.values():
+        rewards = np.array([r for _, r in members])
+        if len(members) == 1:
+            out.append((members[0][0], float(rewards[0])))
+            continue
+        mean, std = rewards.mean(), rewards.std(ddof=1)
+        out += [(turn, float((r - mean) / (std + 1e-6))) for turn, r in members]
+    return out
+
+
+@dataclass
+class OptimizerStep:
+    """One probed optimizer step, as the trainer logs it."""
+
+    policy: str
+    result: StepResult
+    scalars: dict[str, float]
+
+
+class GRPOUpdater:
+    """Holds one AdamW per adapter (over that adapter's parameters, built explicitly) and the probe."""
+
+    def __init__(self, model, tokenizer, policy: PolicyMap, probe: Probe, adapter_params: dict[str, list],
+                 cfg: GRPOConfig, seed: int) -> None:
+        self.model, self.policy, self.probe, self.cfg = model, policy, probe, cfg
+        self.pad_id = tokenizer.pad_token_id
+        self.params = adapter_params
+        self.optimizers = {a: torch.optim.AdamW(self.params[a], lr=cfg.lr, weight_decay=cfg.weight_decay)
+                           for a in policy.adapters}
+        self.rng = random.Random(seed)
+
+    def lr_at(self, step: int) -> float:
+        return self.cfg.lr * min(1.0, (step + 1) / max(1, self.cfg.warmup_steps))
+
+    def update(self, step: int, episodes: Sequence[Episode], mini_batch_size: int,
+               probe_this_step: bool) -> tuple[list[OptimizerStep], dict[str, float]]:
+        """All optimizer steps of one training step. Returns the probed steps and per-step metrics."""
+        samples = [TrainSample(t, self.probe.agent_index(t.agent), a) for t, a in advantages(episodes)]
+        by_adapter: dict[str, list[TrainSample]] = defaultdict(list)
+        for s in samples:
+            by_adapter[self.policy[s.turn.role]].append(s)
+        self._old_logprobs(by_adapter)
+        for opt in self.optimizers.values():
+            for group in opt.param_groups:
+                group["lr"] = self.lr_at(step)
+        logged: list[OptimizerStep] = []
+        metrics: dict[str, float] = {}
+        for adapter in self.policy.adapters:
+            batch = by_adapter.get(adapter, [])
+            if self.cfg.shuffle:
+                self.rng.shuffle(batch)
+            before = torch.cat([p.detach().reshape(-1) for p in self.params[adapter]]).clone()
+            n_steps = 0
+            for start in range(0, len(batch), mini_batch_size):
+                logged_step = self._optimizer_step(step, adapter, batch[start:start + mini_batch_size],
+                                                   probe_this_step)
+                n_steps += 1
+                if logged_step is not None:
+                    logged.append(logged_step)
+            after = torch.cat([p.detach().reshape(-1) for p in self.params[adapter]])
+            delta = float((after - before).norm())
+            metrics[f"opt_steps/{adapter}"] = n_steps
+            metrics[f"update_norm/{adapter}"] = delta
+            metrics[f"update_rel/{adapter}"] = delta / max(float(before.norm()), 1e-12)
+        return logged, metrics
+
+    @torch.no_grad()
+    def _old_logprobs(self, by_adapter: dict[str, list[TrainSample]]) -> None:
+        for adapter, batch in by_adapter.items():
+            for start in range(0, len(batch), 256):
+                chunk = batch[start:start + 256]
+                with use_adapter(self.model, adapter):
+                    old = self._completion_logprobs(chunk)
+                ref = None
+                if self.cfg.kl_coef > 0:
+                    with self.model.disable_adapter():
+                        ref = self._completion_logprobs(chunk)
+                for i, s in enumerate(chunk):
+                    s.old_logprobs = old[i]
+                    s.ref_logprobs = None if ref is None else ref[i]
+
+    def _completion_logprobs(self, chunk: Sequence[TrainSample]) -> list[torch.Tensor]:
+        ids, attn, comp = pack([s.turn.sample for s in chunk], self.pad_id, self.model.device)
+        lp = token_logprobs(self.model, ids, attn, self.cfg.temperature)
+        return [row[m.bool()].detach() for row, m in zip(lp, comp)]
+
+    def _optimizer_step(self, step: int, adapter: str, batch: Sequence[TrainSample],
+                        probe_this_step: bool) -> OptimizerStep | None:
+        cfg = self.cfg
+        ids, attn, comp = pack([s.turn.sample for s in batch], self.pad_id, self.model.device)
+        mask = comp.bool()
+        old = torch.zeros(comp.shape, device=ids.device)
+        old[mask] = torch.cat([s.old_logprobs for s in batch])
+        adv = torch.tensor([s.advantage for s in batch], device=ids.device)[:, None]
+        agent_ids = torch.tensor([s.agent for s in batch], device=ids.device)[:, None].expand_as(comp).clone()
+        agent_ids[~mask] = -1
+        n_tokens = int(mask.sum())
+        optimizer = self.optimizers[adapter]
+        optimizer.zero_grad(set_to_none=True)
+        with use_adapter(self.model, adapter):
+            lp = token_logprobs(self.model, ids, attn, cfg.temperature)
+        ratio = torch.exp(lp - old)
+        clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+        surrogate = torch.minimum(ratio * adv, clipped * adv)
+        token_loss = -surrogate
+        kl_value = 0.0
+        if cfg.kl_coef > 0:
+            ref = torch.zeros_like(old)
+            ref[mask] = torch.cat([s.ref_logprobs for s in batch])
+            kl = torch.exp(ref - lp) - (ref - lp) - 1  # k3 estimator, ≥ 0
+            token_loss = token_loss + cfg.kl_coef * kl
+            kl_value = float((kl * mask).sum() / max(n_tokens, 1))
+        token_loss = token_loss * mask / max(n_tokens, 1)
+        result = None
+        if probe_this_step:
+            with self.probe.step(step, policy=adapter) as probed:
+                probed.backward_tokens(token_loss, agent_ids)
+            result = probed.result
+        else:
+            token_loss.sum().backward()
+        grad_norm = _clip(self.params[adapter], cfg.grad_clip)
+        optimizer.step()
+        if result is None:
+            return None
+        clip_frac = float((((ratio - clipped).abs() > 0) & mask).sum() / max(n_tokens, 1))
+        return OptimizerStep(adapter, result, {
+            "loss": float(token_loss.detach().sum()), "clip_frac": clip_frac, "grad_norm": grad_norm,
+            "lr": optimizer.param_groups[0]["lr"], "samples": len(batch), "tokens": n_tokens, "kl": kl_value})
+
+
+def _clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+    """Global grad norm before clipping (NaN-safe: a non-finite norm is reported, not raised)."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in grads])))
+
+
+__all__ = ["GRPOConfig", "GRPOUpdater", "OptimizerStep", "STEP_SCALARS", "advantages"]

@@ -1,0 +1,49 @@
+"""Reading a solver's answer and scoring a workflow's final answer against the task.
+
+Math answers are compared numerically (``answers_match``); code answers pass only if the program
+passes the task's tests inside the sandbox — never in-process. Code verdicts are cached per
+(task, answer): GRPO groups produce many identical programs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from trainers.sandbox import Limits, check_program
+from trainers.tasks import answers_match, extract_answer, sandbox_args
+from trainers.tasks.base import Task
+from trainers.workflows.base import Episode
+
+
+def solver_answer(task: Task, text: str) -> tuple[str | None, bool]:
+    """The answer a solver's output states, and whether the output had the expected format."""
+    if task.kind == "math":
+        answer = extract_answer(text)
+        return answer, answer is not None
+    body = text.strip()
+    return (body or None), bool(body)
+
+
+class Scorer:
+    """Sets ``episode.reward`` to 1.0 for a correct final answer, else 0.0."""
+
+    def __init__(self, limits: Limits = Limits(wall_s=5.0, cpu_s=5.0), workers: int = 2) -> None:
+        self.limits = limits
+        self.workers = workers
+        self._code_cache: dict[tuple[str, str], bool] = {}
+
+    def score(self, episodes: Sequence[Episode]) -> None:
+        code = {(ep.task.id, ep.answer): ep.task for ep in episodes
+                if ep.task.kind == "code" and ep.answer is not None}
+        todo = [key for key in code if key not in self._code_cache]
+        with ThreadPoolExecutor(self.workers) as pool:  # each check is a sandboxed subprocess
+            verdicts = pool.map(lambda key: check_program(*sandbox_args(code[key], key[1]), limits=self.limits), todo)
+            for key, result in zip(todo, verdicts):
+                self._code_cache[key] = result.verdict == "pass"
+        for ep in episodes:
+            if ep.answer is None:
+                ep.reward = 0.0
+            elif ep.task.kind == "math":
+                ep.reward = float(answers_match(ep.answer, ep.task.answer))
+            else:
+                ep.reward = float(self._code_cache[(ep.task.id, ep.answer)])

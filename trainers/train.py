@@ -1,0 +1,179 @@
+"""The training loop: rollouts of a workflow, GRPO updates per policy, probed, into a run file.
+
+Training steps are numbered from 1. Every optimizer step of a probed training step is one run-file
+record tagged with (step, policy); per-training-step metrics (reward, optimizer steps and update
+size per policy, timings) go to ``/metrics``; evaluations on the held-out split go to ``/evals`` with
+the number of completed steps (0 = the base model before any update).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gradscope.errors import ConfigError
+from gradscope.peft_support import adapter_parameters
+from gradscope.probe import Probe
+from gradscope.runfile import RunMeta, RunWriter
+from trainers.checkpoint import load_checkpoint, save_checkpoint
+from trainers.config import TrainConfig
+from trainers.grpo import STEP_SCALARS, GRPOUpdater
+from trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
+from trainers.policy import parse_policy
+from trainers.reward import Scorer, solver_answer
+from trainers.rollout import Sampler
+from trainers.tasks import answers_match, load_tasks
+from trainers.tasks.base import Task, TaskSet
+from trainers.workflows import WORKFLOWS, Templates
+from trainers.workflows.base import Episode, Workflow
+
+PROBE_SPECS = ("gram", "gram,groups", "none")
+SOLVER_ROLES = ("voter", "generator", "worker")
+
+
+def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet]:
+    """Every check that can fail on user input, before any model is built (errors exit 2)."""
+    if cfg.workflow not in WORKFLOWS:
+        raise ConfigError(f"unknown workflow {cfg.workflow!r}; use one of {sorted(WORKFLOWS)}")
+    workflow = WORKFLOWS[cfg.workflow]
+    parse_policy(cfg.policy, list(dict.fromkeys(workflow.agent_roles.values())))
+    if cfg.probe not in PROBE_SPECS:
+        raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
+    for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    check_model_path(cfg.model)
+    out = Path(cfg.out)
+    if cfg.resume and not out.exists():
+        raise ConfigError(f"--resume: {out} does not exist")
+    if not cfg.resume and out.exists() and not cfg.overwrite:
+        raise ConfigError(f"{out} already exists (pass --overwrite to replace it, or --resume)")
+    if not out.parent.is_dir():
+        raise ConfigError(f"cannot write {out}: folder {out.parent} does not exist")
+    try:  # probe writability without touching an existing run file
+        probe_file = out.parent / f".{out.name}.writable"
+        probe_file.touch()
+        probe_file.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
+    tasks = load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
+                       level=cfg.task_level, path=cfg.task_file)
+    return workflow, tasks
+
+
+class Trainer:
+    """Builds everything from a config; :meth:`run` trains and writes the run file."""
+
+    def __init__(self, cfg: TrainConfig, *, verbose: bool = False) -> None:
+        workflow_cls, self.tasks = validate(cfg)
+        self.cfg = cfg = cfg.resolved()
+        self.verbose = verbose
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        base, tok, style = load_base(cfg.model, cfg.seed, verbose=verbose)
+        self.policy = parse_policy(cfg.policy, list(dict.fromkeys(workflow_cls.agent_roles.values())))
+        self.model = attach_adapters(base, self.policy.adapters, LoraSpec(cfg.lora_rank, cfg.lora_alpha), cfg.seed)
+        templates = Templates(style, tok)
+        self.workflow = workflow_cls(templates, solver_answer, **(
+            {"max_evals": cfg.max_evals} if cfg.workflow == "eval-opt" else {}))
+        params = {a: [p for _, p in ps] for a, ps in adapter_parameters(self.model).items()}
+        named = [(n, p) for ps in adapter_parameters(self.model).values() for n, p in ps]
+        self.probe = Probe(self.model, list(self.workflow.agents), self.workflow.agent_roles, params=named,
+                           groups="adapter" if cfg.probe == "gram,groups" else None)
+        self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed)
+        self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
+                               temperature=cfg.grpo.temperature)
+        self.scorer = Scorer()
+        self.task_rng = random.Random(cfg.seed)
+
+    def meta(self) -> RunMeta:
+        per_group = self.cfg.probe == "gram,groups"
+        return RunMeta(agents=list(self.workflow.agents),
+                       agent_roles=[self.workflow.agent_roles[a] for a in self.workflow.agents],
+                       roles=self.workflow.roles, policies=self.policy.adapters,
+                       groups=self.probe.groups if per_group else [],
+                       group_sizes=self.probe.group_sizes if per_group else [],
+                       config=json.loads(json.dumps(dataclasses.asdict(self.cfg))),
+                       seed=self.cfg.seed, probe_method=self.probe.method_name, scalar_names=STEP_SCALARS)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:
+        cfg, out = self.cfg, Path(self.cfg.out)
+        ckpt_dir = out.with_name(out.name + ".ckpt")
+        start = 1
+        if cfg.resume:
+            start = load_checkpoint(ckpt_dir, self.model, self.updater, self) + 1
+            writer = RunWriter.resume(out, keep_below_step=start)
+        else:
+            writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
+        with writer:
+            if start == 1:
+                writer.log_eval(0, self.evaluate())
+            for step in range(start, cfg.steps + 1):
+                metrics = self.train_step(step, writer)
+                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                    evals = self.evaluate()
+                    writer.log_eval(step, evals)
+                    metrics["eval_accuracy"] = evals["accuracy"]
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                    save_checkpoint(ckpt_dir, step, self.model, self.updater, self)
+                if on_step is not None:
+                    on_step(step, metrics)
+        return out
+
+    def train_step(self, step: int, writer: RunWriter) -> dict[str, float]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        batch = self.task_rng.sample(self.tasks.train, min(cfg.tasks_per_step, len(self.tasks.train)))
+        episodes = self.workflow.run([t for t in batch for _ in range(cfg.grpo.group_size)], self.sampler)
+        self.scorer.score(episodes)
+        t1 = time.perf_counter()
+        probed = (step - 1) % cfg.probe_every == 0 and cfg.probe != "none"
+        logged, metrics = self.updater.update(step, episodes, cfg.grpo.mini_batch_size, probed)
+        for o in logged:
+            writer.log_step(step, o.result.gram, o.result.tokens, policy=o.policy, scalars=o.scalars,
+                            group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None)
+        metrics.update(_episode_metrics(episodes, prefix="train/"))
+        metrics["time/rollout"], metrics["time/update"] = t1 - t0, time.perf_counter() - t1
+        writer.log_metrics(step, metrics)
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy and the per-role text signature, sampled with a fixed seed."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed + 1_000_003)
+            episodes = self.workflow.run(self.tasks.held_out, self.sampler)
+        self.scorer.score(episodes)
+        return _episode_metrics(episodes, prefix="")
+
+
+def _episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
+    """accuracy (mean final reward); per role: mean output length (chars), format-valid rate,
+    and for solver roles on math tasks, the fraction of their own answers that are correct."""
+    out = {f"{prefix}accuracy": float(np.mean([ep.reward for ep in episodes]))}
+    lengths, valid, right = defaultdict(list), defaultdict(list), defaultdict(list)
+    for ep in episodes:
+        for turn in ep.turns:
+            lengths[turn.role].append(len(turn.sample.text))
+            valid[turn.role].append(turn.valid)
+            if turn.role in SOLVER_ROLES and ep.task.kind == "math":
+                right[turn.role].append(_math_correct(ep.task, turn.sample.text))
+    for role in lengths:
+        out[f"{prefix}length/{role}"] = float(np.mean(lengths[role]))
+        out[f"{prefix}format_valid/{role}"] = float(np.mean(valid[role]))
+    for role, hits in right.items():
+        out[f"{prefix}accuracy/{role}"] = float(np.mean(hits))
+    return out
+
+
+def _math_correct(task: Task, text: str) -> bool:
+    answer, _ = solver_answer(task, text)
+    return answer is not None and answers_match(answer, task.answer)
