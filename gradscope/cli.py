@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: train Voting/math with IP and SP on the testbed")
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
-    p.add_argument("--steps", type=int, default=300, help="training steps per run")
+    p.add_argument("--steps", type=int, default=100, help="training steps per run")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("train", help="train a workflow with GRPO, probed (see gradscope train --help)",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -10,14 +11,11 @@ from trainers.config import add_arguments, from_arguments
 from trainers.train import Trainer
 
 
-def train_main(argv: Sequence[str]) -> int:
-    parser = ArgumentParser(prog="gradscope train",
-                            description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
-    add_arguments(parser)
-    cfg = from_arguments(parser.parse_args(list(argv)))
-    trainer = Trainer(cfg, verbose=True)
+def run_with_progress(trainer: Trainer) -> Path:
+    """Train, showing the mean training reward and the last held-out accuracy per step."""
+    cfg = trainer.cfg
     last_acc: list[float] = []
-    with tqdm(total=trainer.cfg.steps, desc=f"{cfg.workflow}/{cfg.task}/{cfg.policy}", unit="step",
+    with tqdm(total=cfg.steps, desc=f"{cfg.workflow}/{cfg.task}/{cfg.policy}", unit="step",
               dynamic_ncols=True) as bar:
         def progress(step: int, metrics: dict[str, float]) -> None:
             if "eval_accuracy" in metrics:
@@ -26,6 +24,13 @@ def train_main(argv: Sequence[str]) -> int:
             bar.set_postfix(reward=f"{metrics['train/accuracy']:.2f}",
                             eval_acc=f"{last_acc[0]:.3f}" if last_acc else "-")
 
-        out = trainer.run(on_step=progress)
+        return trainer.run(on_step=progress)
+
+
+def train_main(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(prog="gradscope train",
+                            description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
+    add_arguments(parser)
+    out = run_with_progress(Trainer(from_arguments(parser.parse_args(list(argv))), verbose=True))
     print(f"wrote {out}")
     return 0

@@ -12,20 +12,20 @@ from pathlib import Path
 import numpy as np
 
 from gradscope.runfile import open_run
+from trainers.cli import run_with_progress
 from trainers.config import TrainConfig
 from trainers.train import Trainer
 
 
-def run_demo(out_dir: str | Path, steps: int = 300) -> list[Path]:
+def run_demo(out_dir: str | Path, steps: int = 100) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for policy in ("ip", "sp"):
         t0 = time.perf_counter()
-        cfg = TrainConfig(workflow="voting", task="math", policy=policy, steps=steps, eval_every=25,
+        cfg = TrainConfig(workflow="voting", task="math", policy=policy, steps=steps, eval_every=10,
                           out=str(out_dir / f"{policy}.h5"), overwrite=True, checkpoint_every=0)
-        print(f"training voting/math/{policy} for {steps} steps ...", flush=True)
-        paths.append(Trainer(cfg, verbose=True).run())
+        paths.append(run_with_progress(Trainer(cfg, verbose=True)))
         print(summary(paths[-1]) + f"\n  time      {time.perf_counter() - t0:.0f} s", flush=True)
     return paths
 

@@ -200,3 +200,25 @@ def test_ctrl_c_leaves_a_readable_run_file(tmp_path):
     with open_run(out) as run:
         assert run.closed and run.n_steps >= 10
         assert np.isfinite(run.gram).all()
+
+
+def test_local_model_path_and_chat_templates(tmp_path):
+    """--model PATH loads a local folder (no download) and uses the chat template when it has one."""
+    from trainers.testbed.model import build_testbed_model
+    from trainers.testbed.tokenizer import build_tokenizer
+
+    folder = tmp_path / "model"
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    build_testbed_model(seed=3).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = small(tmp_path, model=str(folder), steps=1, max_new_tokens=8, lora_rank=4, lora_alpha=8)
+    trainer = Trainer(cfg)
+    assert trainer.workflow.templates.style == "chat"
+    prompt = trainer.workflow.templates.render("picker", q="2+2=", candidates=["4", "5"])
+    assert prompt.startswith("<system>") and "Candidate 2:\n5" in prompt and prompt.endswith("<assistant>")
+    trainer.run()
+    with open_run(cfg.out) as run:
+        assert run.meta.config["model"] == str(folder) and run.meta.config["lora_rank"] == 4
+        assert run.n_steps >= 1

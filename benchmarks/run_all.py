@@ -1,0 +1,24 @@
+"""Every performance figure of the project, one script: `make bench`."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    for name in ("bench_writer",):
+        print(f"== {name}")
+        _load(name).main()
+
+
+if __name__ == "__main__":
+    main()
