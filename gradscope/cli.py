@@ -42,6 +42,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return train_main(args.args)
 
 
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from analyses.cli import analyze_main
+
+    return analyze_main(args)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from analyses.cli import compare_main
+
+    return compare_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="gradscope", description="Gradient-dynamics diagnostics for multi-agent RL.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
@@ -54,6 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
     p.add_argument("--steps", type=int, default=100, help="training steps per run")
     p.set_defaults(func=_cmd_demo)
+
+    from analyses.cli import add_threshold_arguments  # numpy/pandas only, no torch
+
+    p = sub.add_parser("analyze", help="detect amplification, role capture and accuracy cliffs in a run")
+    p.add_argument("run", help="run file (.h5)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable report (docs/detectors.md)")
+    fmt.add_argument("--md", action="store_true", help="Markdown report")
+    p.add_argument("--fail-on", default="", help="exit 1 if any of these kinds is found: amplification,capture,cliff")
+    add_threshold_arguments(p)
+    p.set_defaults(func=_cmd_analyze)
+
+    p = sub.add_parser("compare", help="runs side by side: accuracy, cliffs, coherence, dominant share")
+    p.add_argument("runs", nargs="+", help="run files (.h5)")
+    p.add_argument("--md", action="store_true", help="Markdown table")
+    add_threshold_arguments(p)
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("train", help="train a workflow with GRPO, probed (see gradscope train --help)",
                        add_help=False, prefix_chars="\0")

@@ -1,0 +1,78 @@
+"""Shared-policy role capture: one role's gradient dominates a shared parameter set.
+
+Default (DESIGN.md): in a parameter set trained by ≥ 2 roles, one role's contribution share
+``s_r ≥ 0.7`` on at least 80% of a 10-step window. The finding says whether the role's per-token
+gradient or only its token count explains the dominance, and reports the text-side signature from
+the evaluation records: other roles' output lengths drifting toward the dominant role's, and their
+format validity falling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analyses.findings import Finding
+from analyses.series import RunSeries
+from analyses.windows import episodes, sustained
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    share: float = 0.7        # contribution-share threshold
+    window: int = 10
+    fraction: float = 0.8
+    excess: float = 0.1       # token / per-token share above the fair 1/R that "explains" dominance
+
+
+def detect_capture(series: RunSeries, cfg: CaptureConfig = CaptureConfig()) -> list[Finding]:
+    out: list[Finding] = []
+    if len(series.steps) < cfg.window:
+        return out
+    for policy, roles in series.shared_sets.items():
+        st = series.set_stats(policy)
+        fair = 1.0 / len(roles)
+        for j, role in enumerate(roles):
+            share = st["share"][:, j]
+            for a, b in episodes(sustained(share >= cfg.share, cfg.window, cfg.fraction), cfg.window):
+                seg = slice(a, b + 1)
+                onset = a + int(np.argmax(share[seg] >= cfg.share))
+                tok, per_tok = float(np.nanmean(st["token_share"][seg, j])), float(np.nanmean(st["per_token_share"][seg, j]))
+                by_tokens, by_grad = tok >= fair + cfg.excess, per_tok >= fair + cfg.excess
+                explained = {(True, True): "both", (True, False): "token count",
+                             (False, True): "per-token gradient", (False, False): "neither"}[(by_tokens, by_grad)]
+                steps = series.steps
+                mean_share = float(np.nanmean(share[seg]))
+                # Dominance by token count alone is the workflow's shape (3 voters write 3× the
+                # tokens), not a change in per-token dynamics: report it, at low severity.
+                severity = "info" if explained == "token count" else "critical" if mean_share >= 0.9 else "warning"
+                out.append(Finding(
+                    kind="capture", severity=severity,
+                    summary=(f"'{role}' dominates the shared parameters '{policy}' (share {mean_share:.2f}) "
+                             f"from step {steps[onset]}; explained by {explained}"),
+                    onset=int(steps[onset]), start=int(steps[a]), end=int(steps[b]), role=role, policy=policy,
+                    evidence={"mean_share": mean_share, "token_share": tok, "per_token_share": per_tok,
+                              "explained_by": explained, "roles_in_set": list(roles),
+                              "text_signature": text_signature(series.evals, role, roles, int(steps[onset]))}))
+    return out
+
+
+def text_signature(evals: pd.DataFrame, dominant: str, roles: list[str], onset: int) -> dict[str, dict[str, float]]:
+    """Per other role: mean |length − dominant's length| and format validity, before vs after onset."""
+    out: dict[str, dict[str, float]] = {}
+    if evals.empty or f"length/{dominant}" not in evals:
+        return out
+    before, after = evals[evals.index < onset], evals[evals.index >= onset]
+    if before.empty or after.empty:
+        return out
+    for other in roles:
+        if other == dominant or f"length/{other}" not in evals:
+            continue
+        gap = (evals[f"length/{other}"] - evals[f"length/{dominant}"]).abs()
+        row = {"length_gap_before": float(gap[before.index].mean()), "length_gap_after": float(gap[after.index].mean())}
+        if f"format_valid/{other}" in evals:
+            row["format_valid_before"] = float(before[f"format_valid/{other}"].mean())
+            row["format_valid_after"] = float(after[f"format_valid/{other}"].mean())
+        out[other] = row
+    return out

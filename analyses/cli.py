@@ -1,0 +1,58 @@
+"""``gradscope analyze`` and ``gradscope compare``: load, detect, render, choose the exit code."""
+from __future__ import annotations
+
+import argparse
+
+from analyses.amplification import AmplificationConfig
+from analyses.capture import CaptureConfig
+from analyses.cliff import CliffConfig
+from analyses.compare import compare_table
+from analyses.report import KINDS, AnalysisConfig, analyze_series, to_json, to_markdown, to_text
+from analyses.series import RunSeries
+from gradscope.errors import ConfigError
+from gradscope.runfile import open_run
+
+
+def load(path: str) -> tuple[RunSeries, bool]:
+    """The run's series and whether its writer closed it (RunFileError on unreadable files)."""
+    with open_run(path) as run:
+        return RunSeries.from_reader(run, name=str(path)), run.closed
+
+
+def config_from(args: argparse.Namespace) -> AnalysisConfig:
+    return AnalysisConfig(
+        amplification=AmplificationConfig(args.coherence, args.window, args.fraction, args.norm_ratio),
+        capture=CaptureConfig(args.share, args.window, args.fraction),
+        cliff=CliffConfig(args.min_drop, args.min_rel_drop, args.within))
+
+
+def analyze_main(args: argparse.Namespace) -> int:
+    fail_on = {k.strip() for k in args.fail_on.split(",") if k.strip()} if args.fail_on else set()
+    unknown = fail_on - set(KINDS)
+    if unknown:
+        raise ConfigError(f"--fail-on: unknown kind(s) {sorted(unknown)}; use {', '.join(KINDS)}")
+    series, closed = load(args.run)
+    report = analyze_series(series, config_from(args), closed=closed)
+    print(to_json(report) if args.json else to_markdown(report) if args.md else to_text(report), end="")
+    return 1 if fail_on & report.kinds() else 0
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    rows = []
+    for path in args.runs:
+        series, closed = load(path)
+        rows.append(analyze_series(series, config_from(args), closed=closed))
+    print(compare_table(rows, fmt="md" if args.md else "text"))
+    return 0
+
+
+def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
+    a, c, k = AmplificationConfig(), CaptureConfig(), CliffConfig()
+    p.add_argument("--coherence", type=float, default=a.coherence, help="amplification: coherence threshold")
+    p.add_argument("--norm-ratio", type=float, default=a.norm_ratio, help="amplification: norm vs other roles")
+    p.add_argument("--share", type=float, default=c.share, help="capture: contribution-share threshold")
+    p.add_argument("--window", type=int, default=a.window, help="steps per detection window")
+    p.add_argument("--fraction", type=float, default=a.fraction, help="share of a window above threshold")
+    p.add_argument("--min-drop", type=float, default=k.min_drop, help="cliff: absolute accuracy drop")
+    p.add_argument("--min-rel-drop", type=float, default=k.min_rel_drop, help="cliff: relative drop")
+    p.add_argument("--within", type=int, default=k.within, help="cliff: evaluations from onset to threshold")

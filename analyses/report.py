@@ -1,0 +1,161 @@
+"""Running every detector on a run, and rendering the report as text, JSON or Markdown."""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from analyses.amplification import AmplificationConfig, detect_amplification
+from analyses.capture import CaptureConfig, detect_capture
+from analyses.cliff import CliffConfig, detect_cliff
+from analyses.findings import Finding, Report
+from analyses.series import RunSeries
+
+KINDS = ("amplification", "capture", "cliff")
+
+
+@dataclass(frozen=True)
+class AnalysisConfig:
+    amplification: AmplificationConfig = field(default_factory=AmplificationConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    cliff: CliffConfig = field(default_factory=CliffConfig)
+
+
+def analyze_series(series: RunSeries, cfg: AnalysisConfig = AnalysisConfig(), *, closed: bool = True) -> Report:
+    """Every detector on ``series``; ``notes`` say what could not be analysed."""
+    notes = []
+    if not closed:
+        notes.append(f"the run file was not closed (a live or killed writer): analysed its {len(series.gram)} "
+                     "complete records")
+    bad = int((~series.finite).sum())
+    if bad:
+        notes.append(f"{bad} record(s) with non-finite Gram entries were left out of every statistic")
+    findings: list[Finding] = []
+    if len(series.gram) == 0:
+        notes.append("no gradient records: amplification and capture not analysed")
+    elif len(series.steps) < max(cfg.amplification.window, cfg.capture.window):
+        notes.append(f"only {len(series.steps)} step(s) with gradient records: amplification and capture need "
+                     f"at least {max(cfg.amplification.window, cfg.capture.window)}")
+    else:
+        findings += detect_amplification(series, cfg.amplification)
+        findings += detect_capture(series, cfg.capture)
+        if not any(series.n_agents >= 2):
+            notes.append("no role has two or more agents: amplification does not apply")
+        if not series.shared_sets:
+            notes.append("no parameter set is shared by two or more roles: capture does not apply")
+    if len(series.accuracy) < 3:
+        notes.append(f"{len(series.accuracy)} accuracy evaluation(s): cliff detection needs at least 3")
+    else:
+        findings += detect_cliff(series, cfg.cliff)
+    return Report(run=series.name, summary=summarize(series), findings=findings, notes=notes)
+
+
+def summarize(series: RunSeries) -> dict:
+    acc = series.accuracy
+    out = {"workflow": series.config.get("workflow"), "policy": series.config.get("policy"),
+           "model": series.config.get("model"), "task": series.config.get("task"),
+           "agents": series.agents, "roles": series.roles, "steps": int(len(series.steps)),
+           "records": int(len(series.gram))}
+    if len(acc):
+        out.update(base=float(acc.iloc[0]), peak=float(acc.max()), peak_step=int(acc.idxmax()),
+                   final=float(acc.iloc[-1]), delta=float(acc.iloc[-1] - acc.iloc[0]))
+    if len(series.gram):
+        coh = {role: float(np.nanmax(series.coherence[:, r])) for r, role in enumerate(series.roles)
+               if series.n_agents[r] >= 2 and np.isfinite(series.coherence[:, r]).any()}
+        out["max_coherence"] = coh
+        shares = {}
+        for policy in series.shared_sets:
+            st = series.set_stats(policy)
+            mean = np.nanmean(st["share"], axis=0) if np.isfinite(st["share"]).any() else None
+            if mean is not None:
+                j = int(np.nanargmax(mean))
+                shares[policy] = {"role": str(st["roles"][j]), "mean_share": float(mean[j])}
+        out["dominant_share"] = shares
+    return out
+
+
+# ------------------------------------------------------------------ rendering
+def to_json(report: Report) -> str:
+    """Stable JSON (docs/detectors.md): non-finite numbers become null."""
+    return json.dumps(_finite(report.to_dict()), indent=2, default=_plain, allow_nan=False)
+
+
+def to_markdown(report: Report) -> str:
+    s = report.summary
+    lines = [f"## gradscope analysis: `{report.run}`", ""]
+    lines.append(f"{s.get('workflow')} / {s.get('task')} / policy {s.get('policy')} · {s['steps']} steps, "
+                 f"{s['records']} records")
+    if "peak" in s:
+        lines.append(f"accuracy: base {s['base']:.3f}, peak {s['peak']:.3f} (step {s['peak_step']}), "
+                     f"final {s['final']:.3f} (Δ {s['delta']:+.3f})")
+    lines += ["", "| kind | severity | role | steps | finding |", "|---|---|---|---|---|"]
+    for f in report.findings:
+        lines.append(f"| {f.kind} | {f.severity} | {f.role or '–'} | {f.start}–{f.end} (onset {f.onset}) | {f.summary} |")
+    if not report.findings:
+        lines.append("| – | – | – | – | no pathology found |")
+    for f in report.findings:
+        lines += ["", f"**{f.kind}** ({f.role or 'run'}) evidence:", ""]
+        lines += [f"- {k}: {_fmt(v)}" for k, v in f.evidence.items()]
+    if report.notes:
+        lines += ["", "Not analysed:", ""] + [f"- {n}" for n in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+def to_text(report: Report) -> str:
+    """Readable console report (rich), returned as a string."""
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=110, force_terminal=False, color_system=None)
+    s = report.summary
+    console.print(f"gradscope analysis of {report.run}")
+    console.print(f"  {s.get('workflow')} / {s.get('task')} / policy {s.get('policy')}: {s['steps']} steps, "
+                  f"{s['records']} records")
+    if "peak" in s:
+        console.print(f"  accuracy base {s['base']:.3f}  peak {s['peak']:.3f} (step {s['peak_step']})  "
+                      f"final {s['final']:.3f}  Δ {s['delta']:+.3f}")
+    if not report.findings:
+        console.print("  no pathology found")
+    for f in report.findings:
+        table = Table(title=f"[{f.severity}] {f.kind}: {f.summary}", title_justify="left", show_header=False)
+        table.add_column("evidence", style="bold")
+        table.add_column("value")
+        table.add_row("steps", f"{f.start}–{f.end} (onset {f.onset})")
+        for k, v in f.evidence.items():
+            table.add_row(k, _fmt(v))
+        console.print(table)
+    for n in report.notes:
+        console.print(f"  note: {n}")
+    return buf.getvalue()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list) and v and isinstance(v[0], dict):
+        return "; ".join(", ".join(f"{k}={_fmt(x)}" for k, x in d.items()) for d in v[:5]) + \
+               (f"; … ({len(v) - 5} more)" if len(v) > 5 else "")
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {_fmt(x)}" for k, x in v.items())
+    return str(v)
+
+
+def _finite(v):
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    if isinstance(v, (float, np.floating)):
+        return float(v) if np.isfinite(v) else None
+    return v
+
+
+def _plain(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    raise TypeError(f"not JSON-serialisable: {type(v)}")

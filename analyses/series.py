@@ -1,0 +1,158 @@
+"""``RunSeries``: what every detector reads — a run's per-record Grams, aggregated per training step.
+
+A run file holds one record per optimizer step (several per training step under verl-style
+mini-batching, each tagged with the policy it updated). Detectors work on training steps: a role's
+statistic at step t is the mean over that step's records in which the role is *present* (its
+gradient is non-zero), so a voter policy's three records and the aggregator policy's one do not
+dilute each other.
+
+Shared parameter sets are read off the records, not the trainer's config, so runs of any framework
+work: the roles of a policy are those with non-zero gradient in its records (all records untagged:
+one set ``"all"``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import pandas as pd
+
+from gradscope import stats
+from gradscope.runfile import RunReader
+
+
+@dataclass
+class RunSeries:
+    """A run as arrays. Shapes: N records, K agents, R roles, T training steps, E evaluations.
+
+    Attributes:
+        agents, agent_roles: (K,) names and each agent's role.
+        gram: (N, K, K) per-record Gram; record_step (N,); record_policy (N,) names ("" = untagged).
+        tokens: (N, K) tokens per agent per record.
+        evals: wide evaluation table, index = step (0 = base), columns e.g. ``accuracy``,
+            ``length/<role>``, ``format_valid/<role>``; may be empty.
+        metrics: wide per-training-step metrics (``update_norm/<policy>``, ...); may be empty.
+        config: the run's config (workflow, policy, model...), for reports.
+        name: a label (usually the file path).
+    """
+
+    agents: list[str]
+    agent_roles: list[str]
+    gram: np.ndarray
+    record_step: np.ndarray
+    record_policy: np.ndarray
+    tokens: np.ndarray
+    evals: pd.DataFrame = field(default_factory=pd.DataFrame)
+    metrics: pd.DataFrame = field(default_factory=pd.DataFrame)
+    config: dict = field(default_factory=dict)
+    name: str = ""
+
+    @classmethod
+    def from_reader(cls, run: RunReader, name: str = "") -> "RunSeries":
+        return cls(agents=list(run.meta.agents), agent_roles=list(run.meta.agent_roles), gram=run.gram,
+                   record_step=np.asarray(run.step), record_policy=np.array([p or "" for p in run.policy], dtype=str),
+                   tokens=run.tokens, evals=run.evals_wide(), metrics=run.metrics_wide(),
+                   config=dict(run.meta.config or {}), name=name)
+
+    # ------------------------------------------------------------------ structure
+    @cached_property
+    def roles(self) -> list[str]:
+        return list(dict.fromkeys(self.agent_roles))
+
+    @cached_property
+    def P(self) -> np.ndarray:
+        """(K, R) agent→role indicator."""
+        return stats.role_indicator(self.agent_roles, self.roles)[0]
+
+    @cached_property
+    def n_agents(self) -> np.ndarray:
+        """(R,) agents per role."""
+        return self.P.sum(axis=0).astype(int)
+
+    @cached_property
+    def steps(self) -> np.ndarray:
+        """(T,) training steps with gradient records, increasing."""
+        return np.unique(self.record_step)
+
+    @cached_property
+    def _step_index(self) -> np.ndarray:
+        return np.searchsorted(self.steps, self.record_step)
+
+    @cached_property
+    def finite(self) -> np.ndarray:
+        """(N,) records whose Gram is finite."""
+        return stats.finite_mask(self.gram)
+
+    @cached_property
+    def role_sets(self) -> dict[str, list[str]]:
+        """policy → roles trained by it (non-zero gradient in its records)."""
+        present = self.record_role_norm > 0
+        out = {}
+        for policy in dict.fromkeys(self.record_policy.tolist()):
+            mask = self.record_policy == policy
+            out[policy or "all"] = [r for j, r in enumerate(self.roles) if present[mask, j].any()]
+        return out
+
+    @cached_property
+    def shared_sets(self) -> dict[str, list[str]]:
+        """The parameter sets trained by two or more roles (where role capture can happen)."""
+        return {p: roles for p, roles in self.role_sets.items() if len(roles) >= 2}
+
+    # ------------------------------------------------------------------ per-record statistics
+    @cached_property
+    def record_role_norm(self) -> np.ndarray:
+        """(N, R)."""
+        return stats.role_norms(self.gram, self.P)
+
+    def per_step(self, values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """Mean over each training step's records: (N, ...) → (T, ...); NaN where no record counts.
+
+        ``mask`` (N, ...) selects which record values count (default: finite ones).
+        """
+        values = np.asarray(values, dtype=float)
+        ok = np.isfinite(values) if mask is None else (mask & np.isfinite(values))
+        T = len(self.steps)
+        total = np.zeros((T, *values.shape[1:]))
+        count = np.zeros((T, *values.shape[1:]))
+        np.add.at(total, self._step_index, np.where(ok, values, 0.0))
+        np.add.at(count, self._step_index, ok)
+        return np.divide(total, count, out=np.full_like(total, np.nan), where=count > 0)
+
+    @cached_property
+    def role_norm(self) -> np.ndarray:
+        """(T, R) per-role gradient norm, mean over records where the role is present."""
+        norms = self.record_role_norm
+        return self.per_step(norms, norms > 0)
+
+    @cached_property
+    def coherence(self) -> np.ndarray:
+        """(T, R) coherence AF_r / n_r (NaN for one-agent roles and steps without the role)."""
+        return self.per_step(stats.coherence(self.gram, self.P), self.record_role_norm > 0)
+
+    @cached_property
+    def amplification(self) -> np.ndarray:
+        """(T, R) amplification factor."""
+        return self.per_step(stats.amplification_factor(self.gram, self.P), self.record_role_norm > 0)
+
+    def set_stats(self, policy: str) -> dict[str, np.ndarray]:
+        """Per-step statistics of the roles sharing ``policy``'s parameters, each (T, R_p):
+        contribution ``share``, ``token_share``, ``per_token_share`` (records of that policy)."""
+        roles = self.role_sets[policy]
+        cols = [self.roles.index(r) for r in roles]
+        keep = np.isin(np.asarray(self.agent_roles), roles)
+        mask = (self.record_policy == ("" if policy == "all" else policy))[:, None]
+        M = self.gram[:, keep][:, :, keep]
+        P = self.P[keep][:, cols]
+        tok = self.tokens[:, keep]
+        return {"share": self.per_step(stats.contribution_shares(M, P), mask),
+                "token_share": self.per_step(stats.token_shares(tok, P), mask),
+                "per_token_share": self.per_step(stats.per_token_shares(M, tok, P), mask),
+                "roles": np.array(roles)}
+
+    @cached_property
+    def accuracy(self) -> pd.Series:
+        """Held-out accuracy by evaluation step (empty when the run has no evaluations)."""
+        if "accuracy" in self.evals:
+            return self.evals["accuracy"].dropna()
+        return pd.Series(dtype=float)
