@@ -7,6 +7,7 @@ from analyses.amplification import AmplificationConfig
 from analyses.capture import CaptureConfig
 from analyses.cliff import CliffConfig
 from analyses.compare import compare_table
+from analyses.findings import Report
 from analyses.report import KINDS, AnalysisConfig, analyze_series, to_json, to_markdown, to_text
 from analyses.series import RunSeries
 from gradscope.errors import ConfigError
@@ -31,19 +32,27 @@ def analyze_main(args: argparse.Namespace) -> int:
     unknown = fail_on - set(KINDS)
     if unknown:
         raise ConfigError(f"--fail-on: unknown kind(s) {sorted(unknown)}; use {', '.join(KINDS)}")
-    series, closed = load(args.run)
-    report = analyze_series(series, config_from(args), closed=closed)
+    report = _report(args.run, config_from(args))
     print(to_json(report) if args.json else to_markdown(report) if args.md else to_text(report), end="")
     return 1 if fail_on & report.kinds() else 0
 
 
 def compare_main(args: argparse.Namespace) -> int:
-    rows = []
-    for path in args.runs:
-        series, closed = load(path)
-        rows.append(analyze_series(series, config_from(args), closed=closed))
-    print(compare_table(rows, fmt="md" if args.md else "text"))
+    cfg = config_from(args)
+    reports = [_report(path, cfg) for path in args.runs]
+    print(compare_table(reports, fmt="md" if args.md else "text"))
     return 0
+
+
+def analyze_runs(paths: list[str]) -> str:
+    """Each run's report at default thresholds, then the side-by-side table (the demo's ending)."""
+    reports = [_report(path, AnalysisConfig()) for path in paths]
+    return "".join(to_text(r) + "\n" for r in reports) + compare_table(reports)
+
+
+def _report(path: str, cfg: AnalysisConfig) -> Report:
+    series, closed = load(path)
+    return analyze_series(series, cfg, closed=closed)
 
 
 def add_threshold_arguments(p: argparse.ArgumentParser) -> None:

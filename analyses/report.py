@@ -106,6 +106,7 @@ def to_markdown(report: Report) -> str:
 def to_text(report: Report) -> str:
     """Readable console report (rich), returned as a string."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     buf = io.StringIO()
@@ -120,12 +121,12 @@ def to_text(report: Report) -> str:
     if not report.findings:
         console.print("  no pathology found")
     for f in report.findings:
-        table = Table(title=f"[{f.severity}] {f.kind}: {f.summary}", title_justify="left", show_header=False)
+        table = Table(title=escape(f"[{f.severity}] {f.kind}: {f.summary}"), title_justify="left", show_header=False)
         table.add_column("evidence", style="bold")
         table.add_column("value")
         table.add_row("steps", f"{f.start}–{f.end} (onset {f.onset})")
         for k, v in f.evidence.items():
-            table.add_row(k, _fmt(v))
+            table.add_row(k, escape(_fmt(v)))
         console.print(table)
     for n in report.notes:
         console.print(f"  note: {n}")

@@ -30,9 +30,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from analyses.cli import analyze_runs
     from trainers.demo import run_demo
 
-    run_demo(args.out, steps=args.steps)
+    paths = run_demo(args.out, steps=args.steps)
+    print("\n" + analyze_runs([str(p) for p in paths]))
     return 0
 
 
