@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trainers.tasks.base import Task
-from trainers.workflows.templates import Templates
+from trainers.workflows.templates import Templates, parse_pick
 
 
 @dataclass
@@ -70,6 +70,31 @@ class Workflow(ABC):
     @abstractmethod
     def run(self, tasks: Sequence[Task], generate: Generate) -> list[Episode]:
         """One episode per task (repeat a task in ``tasks`` for a GRPO group)."""
+
+    def _solve_parallel(self, episodes: Sequence[Episode], agents: Sequence[str], prompts: Sequence[str],
+                        generate: Generate) -> list[list[tuple[str, str | None]]]:
+        """Same-role agents answer in one batch; ``prompts`` lists agent 0's prompt per episode, then
+        agent 1's, ... Returns each episode's candidates as (shown text, stated answer)."""
+        role = self.agent_roles[agents[0]]
+        n = len(episodes)
+        candidates: list[list[tuple[str, str | None]]] = [[] for _ in episodes]
+        for i, (prompt, sample) in enumerate(zip(prompts, generate(role, prompts))):
+            ep = episodes[i % n]
+            answer, valid = self.solve(ep.task, sample.text)
+            ep.add(agents[i // n], role, prompt, sample, valid)
+            candidates[i % n].append((sample.text.strip(), answer))
+        return candidates
+
+    def _pick(self, episodes: Sequence[Episode], agent: str, candidates: Sequence[list[tuple[str, str | None]]],
+              generate: Generate) -> None:
+        """A picker chooses one candidate per episode; its answer becomes the episode's answer."""
+        role = self.agent_roles[agent]
+        prompts = [self.templates.render("picker", q=ep.task.prompt, candidates=[c for c, _ in cands])
+                   for ep, cands in zip(episodes, candidates)]
+        for ep, prompt, cands, sample in zip(episodes, prompts, candidates, generate(role, prompts)):
+            pick, valid = parse_pick(sample.text, len(cands))
+            ep.add(agent, role, prompt, sample, valid)
+            ep.answer = cands[pick][1] if pick is not None else None
 
     def _solve_all(self, episodes: Sequence[Episode], agent: str, prompts: Sequence[str],
                    generate: Generate) -> list[str | None]:

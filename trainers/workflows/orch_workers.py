@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from trainers.tasks.base import Task
 from trainers.workflows.base import Episode, Generate, Workflow
-from trainers.workflows.templates import pad_strategies, parse_pick, parse_plan
+from trainers.workflows.templates import pad_strategies, parse_plan
 
 N_WORKERS = 3
 
@@ -28,16 +28,6 @@ class OrchWorkers(Workflow):
         # Workers see different prompts (one strategy each) but share a role: one batch for all.
         prompts = [self.templates.render("solver", q=t.prompt, strategy=strategies[e][w])
                    for w in range(N_WORKERS) for e, t in enumerate(tasks)]
-        candidates: list[list[tuple[str, str | None]]] = [[] for _ in tasks]
-        for i, (prompt, sample) in enumerate(zip(prompts, generate("worker", prompts))):
-            e = i % len(tasks)
-            answer, valid = self.solve(tasks[e], sample.text)
-            episodes[e].add(f"worker{i // len(tasks)}", "worker", prompt, sample, valid)
-            candidates[e].append((sample.text.strip(), answer))
-        syn_prompts = [self.templates.render("picker", q=t.prompt, candidates=[c for c, _ in cands])
-                       for t, cands in zip(tasks, candidates)]
-        for ep, prompt, cands, sample in zip(episodes, syn_prompts, candidates, generate("synthesizer", syn_prompts)):
-            pick, valid = parse_pick(sample.text, len(cands))
-            ep.add("synthesizer", "synthesizer", prompt, sample, valid)
-            ep.answer = cands[pick][1] if pick is not None else None
+        candidates = self._solve_parallel(episodes, self.agents[1:1 + N_WORKERS], prompts, generate)
+        self._pick(episodes, "synthesizer", candidates, generate)
         return episodes
