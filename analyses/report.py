@@ -121,7 +121,8 @@ def to_text(report: Report) -> str:
     if not report.findings:
         console.print("  no pathology found")
     for f in report.findings:
-        table = Table(title=escape(f"[{f.severity}] {f.kind}: {f.summary}"), title_justify="left", show_header=False)
+        console.print(escape(f"[{f.severity}] {f.kind}: {f.summary}"))
+        table = Table(show_header=False)
         table.add_column("evidence", style="bold")
         table.add_column("value")
         table.add_row("steps", f"{f.start}–{f.end} (onset {f.onset})")
