@@ -7,7 +7,8 @@ the peak before the run ends. A drop that takes longer is a slow decline (report
 one that recovers is a dip (not reported).
 
 Onset: the first evaluation of the fall, i.e. the one after the last evaluation still within a
-quarter of the required drop of the peak.
+quarter of the drop (peak − value where the threshold is crossed) of the peak. The median is
+mirrored at the ends, so a single outlier at the first or last evaluation is removed too.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def find_cliffs(accuracy: pd.Series, cfg: CliffConfig = CliffConfig()) -> tuple[
     steps, raw = acc.index.to_numpy(), acc.to_numpy(dtype=float)
     if len(raw) < 3:
         return [], []
-    s = median_filter(raw, size=cfg.smooth, mode="nearest") if cfg.smooth > 1 else raw
+    s = median_filter(raw, size=cfg.smooth, mode="mirror") if cfg.smooth > 1 else raw
     cliffs, declines = [], []
     i, peak_i = 0, 0
     while i < len(s):
@@ -57,7 +58,7 @@ def find_cliffs(accuracy: pd.Series, cfg: CliffConfig = CliffConfig()) -> tuple[
         if peak - s[i] < need - 1e-12:
             i += 1
             continue
-        near = [j for j in range(peak_i, i) if s[j] >= peak - need / 4]
+        near = [j for j in range(peak_i, i) if s[j] >= peak - (peak - s[i]) / 4]
         onset = (near[-1] if near else peak_i) + 1
         trough = i + int(np.argmin(s[i:]))
         back = s[trough:] >= peak - (peak - s[trough]) / 2

@@ -62,5 +62,9 @@ def first_move(steps: np.ndarray, values: np.ndarray, peak_step: int) -> tuple[i
         run = run + 1 if out_of_band[i] else 0
         if run == PERSIST:
             j = i - PERSIST + 1
+            if j == after[0]:  # already out of band at the peak: walk back to where it left
+                dev = np.sign(values - med)
+                while j > 0 and out_of_band[j - 1] and dev[j - 1] == dev[j]:
+                    j -= 1
             return int(steps[j]), med, float(values[j])
     return None

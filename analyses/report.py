@@ -41,10 +41,13 @@ def analyze_series(series: RunSeries, cfg: AnalysisConfig = AnalysisConfig(), *,
     else:
         findings += detect_amplification(series, cfg.amplification)
         findings += detect_capture(series, cfg.capture)
-        if not any(series.n_agents >= 2):
-            notes.append("no role has two or more agents: amplification does not apply")
-        if not series.shared_sets:
-            notes.append("no parameter set is shared by two or more roles: capture does not apply")
+        if not series.finite.any():
+            notes.append("every gradient record is non-finite: no gradient statistic could be computed")
+        else:
+            if not any(series.n_agents >= 2):
+                notes.append("no role has two or more agents: amplification does not apply")
+            if not series.shared_sets:
+                notes.append("no parameter set is shared by two or more roles: capture does not apply")
     if len(series.accuracy) < 3:
         notes.append(f"{len(series.accuracy)} accuracy evaluation(s): cliff detection needs at least 3")
     else:

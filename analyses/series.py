@@ -47,6 +47,7 @@ class RunSeries:
     metrics: pd.DataFrame = field(default_factory=pd.DataFrame)
     config: dict = field(default_factory=dict)
     name: str = ""
+    _set_stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_reader(cls, run: RunReader, name: str = "") -> "RunSeries":
@@ -112,12 +113,16 @@ class RunSeries:
         """
         values = np.asarray(values, dtype=float)
         ok = np.isfinite(values) if mask is None else (mask & np.isfinite(values))
-        T = len(self.steps)
-        total = np.zeros((T, *values.shape[1:]))
-        count = np.zeros((T, *values.shape[1:]))
-        np.add.at(total, self._step_index, np.where(ok, values, 0.0))
-        np.add.at(count, self._step_index, ok)
-        return np.divide(total, count, out=np.full_like(total, np.nan), where=count > 0)
+        T, tail = len(self.steps), values.shape[1:]
+        if not len(values):
+            return np.full((T, *tail), np.nan)
+        flat_v = np.where(ok, values, 0.0).reshape(len(values), -1)
+        flat_ok = ok.reshape(len(values), -1).astype(float)
+        idx = self._step_index
+        total = np.stack([np.bincount(idx, flat_v[:, c], minlength=T) for c in range(flat_v.shape[1])], axis=1)
+        count = np.stack([np.bincount(idx, flat_ok[:, c], minlength=T) for c in range(flat_v.shape[1])], axis=1)
+        mean = np.divide(total, count, out=np.full_like(total, np.nan), where=count > 0)
+        return mean.reshape(T, *tail)
 
     @cached_property
     def role_norm(self) -> np.ndarray:
@@ -137,7 +142,13 @@ class RunSeries:
 
     def set_stats(self, policy: str) -> dict[str, np.ndarray]:
         """Per-step statistics of the roles sharing ``policy``'s parameters, each (T, R_p):
-        contribution ``share``, ``token_share``, ``per_token_share`` (records of that policy)."""
+        contribution ``share``, ``token_share``, ``per_token_share`` (records of that policy).
+        Computed once per policy (three readers need them)."""
+        if policy not in self._set_stats:
+            self._set_stats[policy] = self._compute_set_stats(policy)
+        return self._set_stats[policy]
+
+    def _compute_set_stats(self, policy: str) -> dict[str, np.ndarray]:
         roles = self.role_sets[policy]
         cols = [self.roles.index(r) for r in roles]
         keep = np.isin(np.asarray(self.agent_roles), roles)

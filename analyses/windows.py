@@ -31,12 +31,16 @@ def rolling_slope(y: np.ndarray, window: int) -> np.ndarray:
 
 
 def episodes(qualifies: np.ndarray, window: int) -> list[tuple[int, int]]:
-    """Runs of qualifying windows → (first index, last index) of the data they cover."""
+    """Runs of qualifying windows → (first index, last index) of the data they cover.
+
+    Runs whose covered ranges touch or overlap (a gap shorter than a window) are one episode, so a
+    statistic hovering at its threshold gives one finding, not hundreds.
+    """
     out: list[tuple[int, int]] = []
-    idx = np.flatnonzero(qualifies)
-    if not len(idx):
-        return out
-    breaks = np.flatnonzero(np.diff(idx) > 1)
-    for a, b in zip(np.r_[idx[0], idx[breaks + 1]], np.r_[idx[breaks], idx[-1]]):
-        out.append((max(int(a) - window + 1, 0), int(b)))
+    for i in np.flatnonzero(qualifies):
+        a, b = max(int(i) - window + 1, 0), int(i)
+        if out and a <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
     return out
