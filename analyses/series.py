@@ -140,6 +140,13 @@ class RunSeries:
         """(T, R) amplification factor."""
         return self.per_step(stats.amplification_factor(self.gram, self.P), self.record_role_norm > 0)
 
+    @cached_property
+    def agent_cosine(self) -> np.ndarray:
+        """(T, K, K) mean agent cosine per step, over records where both agents have a gradient
+        (NaN where they never do together); the diagonal is 1 where the agent is present."""
+        present = stats.agent_norms(self.gram) > 0
+        return self.per_step(stats.cosine(self.gram), present[:, :, None] & present[:, None, :])
+
     def set_stats(self, policy: str) -> dict[str, np.ndarray]:
         """Per-step statistics of the roles sharing ``policy``'s parameters, each (T, R_p):
         contribution ``share``, ``token_share``, ``per_token_share`` (records of that policy).

@@ -31,10 +31,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from analyses.cli import analyze_runs
+    from figures.demo import demo_figures
     from trainers.demo import run_demo
 
-    paths = run_demo(args.out, steps=args.steps)
-    print("\n" + analyze_runs([str(p) for p in paths]))
+    paths = [str(p) for p in run_demo(args.out, steps=args.steps)]
+    print("\n" + analyze_runs(paths))
+    print("\nfigures:")
+    for figure in demo_figures(paths, args.out):
+        print(f"  {figure}")
     return 0
 
 
@@ -54,6 +58,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from analyses.cli import compare_main
 
     return compare_main(args)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from figures.cli import plot_main  # matplotlib loads only for this command
+
+    return plot_main(args)
+
+
+def _cmd_table(args: argparse.Namespace) -> int:
+    from figures.cli import table_main
+
+    return table_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +101,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--md", action="store_true", help="Markdown table")
     add_threshold_arguments(p)
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("plot", help="paper-style figures: cliffs, ip-vs-sp, shares, alignment, sweep",
+                       description="Draw a figure from run files and print the paths written (docs/figures.md).")
+    p.add_argument("kind", choices=("cliffs", "ip-vs-sp", "shares", "alignment", "sweep"),
+                   help="cliffs: dynamics around an accuracy cliff (one column per run); ip-vs-sp: accuracy of "
+                        "IP and SP side by side; shares: who drives a shared update (one SP run); alignment: "
+                        "agent cosine heatmap (one run); sweep: improvement over base by workflow x task x scale")
+    p.add_argument("runs", nargs="+", help="run files (.h5)")
+    p.add_argument("--out", default=None, help="output path stem (default: next to the first run, <run>_<kind>)")
+    p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg (default png)")
+    p.add_argument("--size", choices=("one", "two"), default="two", help="paper width: one column or two (default)")
+    p.add_argument("--dpi", type=int, default=300, help="PNG resolution, at least 200 (default 300)")
+    p.add_argument("--smooth", type=int, default=1, help="rolling mean over N steps for gradient curves (default 1)")
+    p.add_argument("--steps", default=None, help="alignment: cosine matrices at these steps, e.g. 10,50,100")
+    p.add_argument("--window", type=int, default=1, help="alignment: average over this many steps (default 1)")
+    p.add_argument("--metric", choices=("final", "peak"), default="final",
+                   help="sweep: improvement of the final (default) or the peak accuracy over the base")
+    p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("table", help="summary table of runs: base, peak, final, delta, cliff")
+    p.add_argument("runs", nargs="+", help="run files (.h5)")
+    p.add_argument("--format", choices=("md", "csv", "latex"), default="md", help="table format (default md)")
+    p.add_argument("--out", default=None, help="write to this file instead of standard output")
+    p.set_defaults(func=_cmd_table)
 
     p = sub.add_parser("train", help="train a workflow with GRPO, probed (see gradscope train --help)",
                        add_help=False, prefix_chars="\0")

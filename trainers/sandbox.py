@@ -628,7 +628,6 @@ def _execute(source: str, limits: Limits, stdin: str, marker: bytes | None = Non
              audit_hook: bool = True) -> _Raw:
     """Run one program. ``audit_hook=False`` exists only so the tests can check the kernel-level
     layers on their own; every public entry point runs with the hook."""
-    global _last_features
     exe, top, prefix = _interpreter()
     cap = limits.max_output_bytes
     flood = _flood_limit(limits)

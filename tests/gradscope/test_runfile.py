@@ -16,7 +16,6 @@ import pytest
 
 from gradscope.errors import RunFileError
 from gradscope.runfile import SCHEMA_VERSION, RunMeta, RunReader, RunWriter, open_run
-from gradscope.runfile import writer as writer_module
 from gradscope.runfile.info import render_info
 from gradscope.runfile.writer import RESUME_SUFFIX
 

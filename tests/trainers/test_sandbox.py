@@ -9,7 +9,6 @@ import os
 import secrets
 import socket
 import statistics
-import sys
 import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor

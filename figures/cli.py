@@ -1,0 +1,105 @@
+"""``gradscope plot`` and ``gradscope table``: load the runs, draw, save, print the paths.
+
+Imported only by the command handlers in ``gradscope/cli.py`` (the parser never imports
+matplotlib). Bad input raises a GradscopeError, which the command line prints as one line with
+exit code 2: a missing or unreadable run file, an unknown format, a single-run figure given
+several runs, a figure that needs data the run lacks entirely (shares of an IP run or a run
+without gradient records, ip-vs-sp without evaluations or across workflows). A *panel* of the
+cliffs figure whose data a run lacks is drawn and marked "no data" instead (docs/figures.md).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: never open a window, never need a display
+
+from figures import data  # noqa: E402
+from figures.style import parse_formats, save  # noqa: E402
+from gradscope.errors import ConfigError  # noqa: E402
+
+KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep")
+SINGLE = ("shares", "alignment")
+
+
+def _load(paths: list[str]) -> list:
+    out = []
+    for path in paths:
+        series, closed = data.load(path)
+        if not closed:
+            print(f"gradscope: note: {path}: the writer did not close the file (live or killed); "
+                  f"plotting its {len(series.gram)} committed records", file=sys.stderr)
+        out.append(series)
+    return out
+
+
+def _steps(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--steps must be comma-separated step numbers, got {text!r}") from None
+
+
+def default_stem(first_run: str, kind: str) -> Path:
+    """Next to the first run file: ``<dir>/<run stem>_<kind>``."""
+    p = Path(first_run)
+    return p.with_name(f"{p.stem}_{kind.replace('-', '_')}")
+
+
+def make_figure(kind: str, series: list, args: argparse.Namespace):
+    from figures.alignment import alignment_figure
+    from figures.cliffs import cliff_figure
+    from figures.ipsp import ip_vs_sp_figure
+    from figures.shares import shares_figure
+    from figures.sweep import sweep_figure
+
+    if kind == "cliffs":
+        return cliff_figure(series, size=args.size, smooth=args.smooth)
+    if kind == "ip-vs-sp":
+        return ip_vs_sp_figure(series, size=args.size)
+    if kind == "shares":
+        return shares_figure(series[0], size=args.size, smooth=args.smooth)
+    if kind == "alignment":
+        return alignment_figure(series[0], steps=_steps(args.steps), window=args.window, size=args.size)
+    return sweep_figure(series, metric=args.metric, size=args.size)
+
+
+def plot_main(args: argparse.Namespace) -> int:
+    kind = args.kind
+    formats = parse_formats(args.format)
+    if args.dpi < 200:
+        raise ConfigError(f"--dpi must be at least 200 for print, got {args.dpi}")
+    if kind in SINGLE and len(args.runs) != 1:
+        raise ConfigError(f"plot {kind} takes one run file, got {len(args.runs)}")
+    if args.steps and kind != "alignment":
+        raise ConfigError("--steps applies to plot alignment only")
+    if args.smooth < 1 or args.window < 1:
+        raise ConfigError("--smooth and --window must be at least 1")
+    series = _load(args.runs)
+    fig = make_figure(kind, series, args)
+    stem = Path(args.out) if args.out else default_stem(args.runs[0], kind)
+    for path in save(fig, stem, formats, dpi=args.dpi):
+        print(path)
+    return 0
+
+
+def table_main(args: argparse.Namespace) -> int:
+    from figures.table import format_table, summary_table
+
+    text = format_table(summary_table(_load(args.runs)), args.format)
+    if args.out:
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        except OSError as exc:
+            raise ConfigError(f"{out}: cannot write ({exc.strerror or exc})") from None
+        print(out)
+    else:
+        print(text, end="")
+    return 0

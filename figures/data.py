@@ -1,0 +1,175 @@
+"""What the figures read off a run, beyond ``analyses.series.RunSeries``.
+
+* :func:`as_series` — accept a RunSeries or a path (notebooks pass paths).
+* ``RunSeries.agent_cosine`` — per-step agent cosine alignment: the mean over a training step's records
+  of ``gradscope.stats.cosine(M)``, counting a pair only in records where **both** agents have a
+  non-zero gradient (under IP a voter record holds no aggregator gradient, so cross-role pairs of
+  different parameter sets never count: their cosine is 0 by construction, not a measurement).
+* :func:`pair_alignment` — those cosines averaged per pair group: within a role (its agents'
+  pairs) and across two roles.
+* :func:`policy_of`, :func:`describe`, :func:`cliff_of`, :func:`zero_gradient_steps`.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from analyses.cliff import detect_cliff
+from analyses.findings import Finding
+from analyses.series import RunSeries
+from gradscope.errors import ConfigError
+
+RunLike = RunSeries | str | os.PathLike
+
+
+def load(path: str | os.PathLike) -> tuple[RunSeries, bool]:
+    """(series, closed) of a run file; RunFileError (one line) if it cannot be read."""
+    from analyses.cli import load as _load
+
+    return _load(os.fspath(path))
+
+
+def as_series(run: RunLike) -> RunSeries:
+    return run if isinstance(run, RunSeries) else load(run)[0]
+
+
+def as_series_list(runs: RunLike | Iterable[RunLike]) -> list[RunSeries]:
+    if isinstance(runs, (RunSeries, str, os.PathLike)):
+        runs = [runs]
+    out = [as_series(r) for r in runs]
+    if not out:
+        raise ConfigError("no runs given")
+    return out
+
+
+# ------------------------------------------------------------------ metadata
+def policy_of(series: RunSeries) -> str:
+    """``"ip"`` / ``"sp"`` from the config's ``policy`` key, else from the records (a parameter set
+    shared by two roles → sp); an explicit map or unknown value is returned as written."""
+    value = str(series.config.get("policy") or "").strip()
+    if value.lower() in ("ip", "sp"):
+        return value.lower()
+    if value:
+        return value
+    if len(series.gram):
+        return "sp" if series.shared_sets else "ip"
+    return "?"
+
+
+def model_name(series: RunSeries) -> str:
+    """The model's short name: a local path is shown by its last component."""
+    value = series.config.get("model")
+    if value is None or value == "":
+        return "?"
+    return Path(str(value).rstrip("/\\")).name or str(value)
+
+
+def describe(series: RunSeries) -> dict[str, str]:
+    c = series.config
+    return {"workflow": str(c.get("workflow") or "?"), "task": str(c.get("task") or "?"),
+            "model": model_name(series), "policy": policy_of(series)}
+
+
+def stem(series: RunSeries) -> str:
+    return Path(series.name).stem if series.name else "run"
+
+
+def title(series: RunSeries) -> str:
+    """``ip · voting/math · testbed`` plus the file name when there is one."""
+    d = describe(series)
+    head = f"{d['policy'].upper()} · {d['workflow']}/{d['task']} · {d['model']}"
+    return f"{head}\n{Path(series.name).name}" if series.name else head
+
+
+# ------------------------------------------------------------------ accuracy
+def cliff_of(series: RunSeries) -> Finding | None:
+    """The detector's terminal cliff (``analyses.cliff.detect_cliff``, default thresholds), if any."""
+    if len(series.accuracy) < 3:
+        return None
+    found = [f for f in detect_cliff(series) if f.kind == "cliff"]
+    return found[0] if found else None
+
+
+def last_step(series: RunSeries) -> int:
+    ends = [int(series.steps[-1])] if len(series.steps) else []
+    if len(series.accuracy):
+        ends.append(int(series.accuracy.index[-1]))
+    return max(ends) if ends else 0
+
+
+# ------------------------------------------------------------------ gradients
+def pair_groups(series: RunSeries) -> dict[str, list[tuple[int, int]]]:
+    """Agent pairs (k < l) by group: ``"<role>"`` for pairs within a role, ``"<r>–<s>"`` across."""
+    groups: dict[str, list[tuple[int, int]]] = {}
+    roles = series.agent_roles
+    order = {r: i for i, r in enumerate(series.roles)}
+    for k in range(len(roles)):
+        for l in range(k + 1, len(roles)):
+            a, b = sorted((roles[k], roles[l]), key=order.get)
+            groups.setdefault(a if a == b else f"{a}–{b}", []).append((k, l))
+    within = {g: p for g, p in groups.items() if "–" not in g}
+    across = {g: p for g, p in groups.items() if "–" in g}
+    return {**within, **across}
+
+
+def pair_alignment(series: RunSeries, cos: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Group → (T,) mean cosine over the group's pairs present at each step; groups that are never
+    measured (e.g. across IP parameter sets, or one-agent roles) are left out."""
+    cos = series.agent_cosine if cos is None else cos
+    out = {}
+    for group, pairs in pair_groups(series).items():
+        vals = np.stack([cos[:, k, l] for k, l in pairs], axis=1) if len(cos) else np.zeros((0, len(pairs)))
+        ok = np.isfinite(vals)
+        if not ok.any():
+            continue
+        count = ok.sum(axis=1)
+        total = np.where(ok, vals, 0.0).sum(axis=1)
+        out[group] = np.divide(total, count, out=np.full(len(vals), np.nan), where=count > 0)
+    return out
+
+
+def zero_gradient_steps(series: RunSeries) -> np.ndarray:
+    """Training steps whose finite records all have an all-zero Gram (e.g. every reward equal, so
+    every GRPO advantage is 0: nothing is learned)."""
+    if not len(series.gram):
+        return np.zeros(0, dtype=int)
+    zero = np.where(series.finite, np.abs(np.nan_to_num(series.gram)).sum(axis=(1, 2)) == 0, np.nan)
+    frac = series.per_step(zero)
+    return series.steps[frac == 1]
+
+
+def spans(steps: np.ndarray, all_steps: np.ndarray) -> list[tuple[float, float]]:
+    """Contiguous runs of ``steps`` within ``all_steps`` as (start − ½, end + ½) intervals."""
+    if not len(steps):
+        return []
+    idx = np.searchsorted(all_steps, steps)
+    out, start = [], idx[0]
+    for a, b in zip(idx[:-1], idx[1:]):
+        if b != a + 1:
+            out.append((all_steps[start] - 0.5, all_steps[a] + 0.5))
+            start = b
+    out.append((all_steps[start] - 0.5, all_steps[idx[-1]] + 0.5))
+    return out
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Centred rolling mean over ``window`` steps (NaN-aware; 1 = unchanged), along axis 0."""
+    if window <= 1 or len(values) == 0:
+        return values
+    import pandas as pd
+
+    return pd.DataFrame(values).rolling(window, center=True, min_periods=1).mean().to_numpy().reshape(values.shape)
+
+
+def check_same(series: Sequence[RunSeries], keys: Sequence[str], what: str, hint: str) -> None:
+    """ConfigError when the runs differ in any of ``keys`` (workflow, task, model...)."""
+    for key in keys:
+        by: dict[str, list[str]] = {}
+        for s in series:
+            by.setdefault(describe(s)[key], []).append(Path(s.name).name or "run")
+        if len(by) > 1:
+            listed = "; ".join(f"{v}: {', '.join(names)}" for v, names in by.items())
+            raise ConfigError(f"{what}: the runs are of different {key} ({listed}); {hint}")

@@ -1,0 +1,56 @@
+"""The demo's figures: everything ``gradscope demo`` shows, written next to its run files."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from figures import data
+from figures.style import save
+from gradscope.errors import GradscopeError
+
+
+def _note(message: str) -> None:
+    print(f"gradscope: note: {message}", file=sys.stderr)
+
+
+def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None, *,
+                 formats: str | Sequence[str] = ("png",), on_skip: Callable[[str], None] = _note) -> list[Path]:
+    """Write the figures of the demo's runs into ``out_dir`` (default: the first run's folder).
+
+    Writes ``cliffs`` (every run, one column each), ``ip_vs_sp`` (when both policies are there),
+    ``<run>_shares`` for each SP run, ``<run>_alignment`` for each run, and the summary table
+    ``summary.md``. A figure that does not apply (e.g. shares of an IP run) is skipped and
+    ``on_skip`` is told why; unreadable run files raise RunFileError. Returns the paths written.
+    """
+    from figures.alignment import alignment_figure
+    from figures.cliffs import cliff_figure
+    from figures.ipsp import ip_vs_sp_figure
+    from figures.shares import shares_figure
+    from figures.table import format_table, summary_table
+
+    series = [data.load(p)[0] for p in paths]
+    if not series:
+        return []
+    out = Path(out_dir) if out_dir is not None else Path(paths[0]).resolve().parent
+    written: list[Path] = []
+
+    def attempt(name: str, make: Callable[[], object]) -> None:
+        try:
+            fig = make()
+        except GradscopeError as exc:
+            on_skip(f"{name} not drawn: {exc}")
+            return
+        written.extend(save(fig, out / name, formats))
+
+    attempt("cliffs", lambda: cliff_figure(series))
+    if {data.policy_of(s) for s in series} >= {"ip", "sp"}:
+        attempt("ip_vs_sp", lambda: ip_vs_sp_figure(series))
+    for s in series:
+        if s.shared_sets:
+            attempt(f"{data.stem(s)}_shares", lambda s=s: shares_figure(s))
+        attempt(f"{data.stem(s)}_alignment", lambda s=s: alignment_figure(s))
+    table = out / "summary.md"
+    table.write_text(format_table(summary_table(series), "md"))
+    written.append(table)
+    return written

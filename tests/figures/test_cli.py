@@ -1,0 +1,121 @@
+"""``gradscope plot`` / ``gradscope table`` / ``figures.demo_figures`` on synthetic run files.
+
+Commands run in-process through ``gradscope.cli.main`` (the machine is small); only the check
+that building the parser does not import matplotlib needs a fresh interpreter.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradscope.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err.splitlines()
+
+
+def test_parser_does_not_import_matplotlib():
+    code = ("import sys; from gradscope.cli import build_parser; build_parser().parse_args(['plot', 'cliffs', "
+            "'x.h5']); print(sorted(m for m in ('matplotlib', 'seaborn', 'figures') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("kind, names", [
+    ("cliffs", ["ip_cliff", "sp_cliff"]),
+    ("ip-vs-sp", ["ip_ok", "sp_cliff"]),
+    ("shares", ["sp_cliff"]),
+    ("alignment", ["sp_ok"]),
+    ("sweep", ["ip_ok", "sp_ok", "big_sp"]),
+])
+def test_plot_every_kind(capsys, runs, tmp_path, kind, names):
+    code, out, err = run(capsys, "plot", kind, *[runs[n] for n in names], "--out", tmp_path / kind, "--dpi", "200")
+    assert code == 0, err
+    assert out == [str(tmp_path / f"{kind}.png")]
+    assert Path(out[0]).stat().st_size > 5000
+
+
+def test_plot_default_output_next_to_first_run_and_formats(capsys, runs, tmp_path):
+    import shutil
+
+    src = tmp_path / "one.h5"
+    shutil.copy(runs["single"], src)
+    code, out, err = run(capsys, "plot", "cliffs", src, "--format", "png,svg", "--size", "one")
+    assert code == 0, err
+    assert out == [str(tmp_path / "one_cliffs.png"), str(tmp_path / "one_cliffs.svg")]
+    assert all(Path(p).exists() for p in out)
+    code, out, err = run(capsys, "plot", "alignment", src, "--steps", "1")
+    assert code == 0, err
+    assert out == [str(tmp_path / "one_alignment.png")]
+
+
+def test_plot_panels_without_data_still_draw(capsys, runs, tmp_path):
+    """A run without evaluations or without gradient records: the cliffs figure is drawn, the
+    panels that lack data say so (tested in test_figures); the command succeeds."""
+    for name in ("sp_noevals", "evals_only"):
+        code, out, err = run(capsys, "plot", "cliffs", runs[name], "--out", tmp_path / name)
+        assert code == 0 and len(out) == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plot", "cliffs", "{tmp}/missing.h5"], "missing.h5: no such file"),
+    (["plot", "shares", "{ip_ok}"], "no parameter set shared by two or more roles"),
+    (["plot", "shares", "{evals_only}"], "no gradient records"),
+    (["plot", "alignment", "{evals_only}"], "no gradient records"),
+    (["plot", "ip-vs-sp", "{ip_ok}", "{sp_ok}", "{evalopt_ip}"], "different workflow"),
+    (["plot", "ip-vs-sp", "{ip_ok}", "{sp_noevals}"], "no accuracy evaluations"),
+    (["plot", "shares", "{sp_ok}", "{sp_cliff}"], "takes one run file, got 2"),
+    (["plot", "cliffs", "{sp_ok}", "--format", "png,jpg"], "format must be"),
+    (["plot", "cliffs", "{sp_ok}", "--dpi", "72"], "at least 200"),
+    (["plot", "cliffs", "{sp_ok}", "--steps", "3"], "--steps applies to plot alignment only"),
+    (["plot", "alignment", "{sp_ok}", "--steps", "a,b"], "--steps must be"),
+    (["plot", "sweep", "{sp_noevals}"], "none of the runs has accuracy evaluations"),
+    (["table", "{sp_ok}", "{tmp}/missing.h5"], "missing.h5: no such file"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, runs, tmp_path, argv, message):
+    names = {k: str(v) for k, v in runs.items()}
+    code, out, err = run(capsys, *[a.format(tmp=tmp_path, **names) for a in argv])
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("gradscope: error: ") and message in err[0], err
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bad_kind_is_a_usage_error(capsys, runs):
+    with pytest.raises(SystemExit) as exc:
+        main(["plot", "heatmap", str(runs["sp_ok"])])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "invalid choice" in err[0]
+
+
+def test_table_formats(capsys, runs, tmp_path):
+    code, out, _ = run(capsys, "table", runs["ip_cliff"], runs["sp_ok"])
+    assert code == 0 and out[0].startswith("| run |") and len(out) == 4
+    assert "yes (step 26)" in out[2]
+    code, out, _ = run(capsys, "table", runs["ip_cliff"], "--format", "csv")
+    assert out[0].startswith("run,workflow,task,model,policy,base,peak") and out[1].endswith("True,26")
+    code, out, _ = run(capsys, "table", runs["ip_cliff"], "--format", "latex", "--out", tmp_path / "t.tex")
+    assert out == [str(tmp_path / "t.tex")] and r"\bottomrule" in (tmp_path / "t.tex").read_text()
+
+
+def test_demo_figures(runs, tmp_path, capsys):
+    from figures import demo_figures
+
+    paths = demo_figures([runs["ip_cliff"], runs["sp_cliff"]], tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["cliffs.png", "ip_cliff_alignment.png", "ip_vs_sp.png", "sp_cliff_alignment.png",
+                     "sp_cliff_shares.png", "summary.md"]
+    assert all(p.exists() and p.parent == tmp_path for p in paths)
+    skipped = []
+    paths = demo_figures([runs["evals_only"]], tmp_path / "x", on_skip=skipped.append)
+    assert sorted(p.name for p in paths) == ["cliffs.png", "summary.md"]
+    assert any("evals_only_alignment not drawn" in s for s in skipped)

@@ -1,0 +1,293 @@
+"""The figure functions on synthetic run files: structure, not only that something was drawn.
+
+Panels are found by their Axes label (``figures.panels``), role lines by their label and colour,
+the cliff shading by gid ``cliff``, "no data" panels by a text with gid ``no-data``.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.colors import to_hex  # noqa: E402
+
+from figures import (alignment_figure, cliff_figure, format_table, ip_vs_sp_figure, role_color, save,  # noqa: E402
+                     shares_figure, summary_table, sweep_figure)
+from figures import data  # noqa: E402
+from figures.cliffs import ROWS  # noqa: E402
+from figures.style import is_no_data  # noqa: E402
+from gradscope.errors import ConfigError  # noqa: E402
+
+ROLES = ["voter", "aggregator"]
+
+
+def panels(fig, name: str) -> list:
+    return [ax for ax in fig.axes if ax.get_label() == name]
+
+
+def role_lines(ax) -> dict[str, str]:
+    return {ln.get_label(): to_hex(ln.get_color()) for ln in ax.lines if ln.get_label() in ROLES}
+
+
+def has_gid(ax, gid: str) -> bool:
+    return any(a.get_gid() == gid for a in [*ax.patches, *ax.lines, *ax.collections, *ax.texts])
+
+
+def xspan(ax, gid: str) -> tuple[float, float]:
+    p = next(a for a in ax.patches if a.get_gid() == gid)
+    if hasattr(p, "get_width"):  # a Rectangle (matplotlib >= 3.9)
+        return float(p.get_x()), float(p.get_x() + p.get_width())
+    xs = np.asarray(p.get_xy())[:, 0]
+    return float(np.min(xs)), float(np.max(xs))
+
+
+def render(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+# ------------------------------------------------------------------ cliffs
+def test_cliffs_sp_with_cliff(runs):
+    s = data.as_series(runs["sp_cliff"])
+    cliff = data.cliff_of(s)
+    assert cliff is not None, "the fixture's cliff must be found by the detector"
+    fig = cliff_figure(s)
+    main = [ax for ax in fig.axes if ax.get_label() in ROWS]
+    assert [ax.get_label() for ax in main] == list(ROWS)            # 5 panels, top to bottom
+    for ax in main:
+        assert ax.get_ylabel(), f"panel {ax.get_label()} has no y label"
+        assert not is_no_data(ax)
+    assert main[-1].get_xlabel() == "training step"
+    assert all(ax.get_shared_x_axes().joined(main[0], ax) for ax in main)
+    norm = panels(fig, "grad_norm")[0]
+    assert norm.get_yscale() == "log"
+    assert role_lines(norm) == {r: role_color(r) for r in ROLES}   # one line per role, in its colour
+    assert [ln.get_label() for ln in norm.lines].count("voter") == 1
+    coh = panels(fig, "coherence")[0]
+    assert set(role_lines(coh)) == {"voter"}                        # only roles with >= 2 agents
+    shares = panels(fig, "shares")[0]
+    assert {c.get_label() for c in shares.collections} >= set(ROLES)
+    acc = panels(fig, "accuracy")[0]
+    lo, hi = xspan(acc, "cliff")
+    assert lo == cliff.onset and hi == data.last_step(s)            # shaded from onset to the end
+    onset = [ln for ln in acc.lines if ln.get_gid() == "cliff-onset"]
+    assert onset and onset[0].get_xdata()[0] == cliff.onset
+    assert any(ln.get_gid() == "peak" for ln in acc.lines)
+    assert all(has_gid(ax, "cliff-onset") for ax in main)           # the onset runs through every panel
+    assert any(ln.get_gid() == "lead" for ax in main for ln in ax.lines)  # lead indicators marked
+    legend_labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"voter", "aggregator", "cliff onset", "peak"} <= set(legend_labels)
+
+
+def test_cliffs_ip_without_cliff(runs):
+    fig = cliff_figure(runs["ip_ok"])
+    assert not any(has_gid(ax, "cliff") or has_gid(ax, "cliff-onset") for ax in fig.axes)
+    shares = panels(fig, "shares")[0]
+    assert is_no_data(shares)                                        # IP: no shared set
+    assert "IP" in next(t.get_text() for t in shares.texts if t.get_gid() == "no-data")
+    assert role_lines(panels(fig, "grad_norm")[0]) == {r: role_color(r) for r in ROLES}
+    assert not is_no_data(panels(fig, "alignment")[0])               # voter pairs are measured
+
+
+def test_cliffs_several_runs_share_scales(runs):
+    fig = cliff_figure([runs["ip_cliff"], runs["sp_cliff"], runs["sp_ok"]])
+    for name in ROWS:
+        row = panels(fig, name)
+        assert len(row) == 3, name
+        assert all(row[0].get_shared_y_axes().joined(row[0], ax) for ax in row[1:])
+        assert len({ax.get_xlim() for ax in row}) == 1
+    acc = panels(fig, "accuracy")
+    assert [has_gid(ax, "cliff") for ax in acc] == [True, True, False]
+    titles = [ax.get_title() for ax in acc]
+    assert titles[0].startswith("IP") and titles[1].startswith("SP")
+
+
+def test_cliffs_run_without_evaluations(runs):
+    fig = cliff_figure(runs["sp_noevals"])
+    assert is_no_data(panels(fig, "accuracy")[0])
+    for name in ROWS[1:]:
+        assert not is_no_data(panels(fig, name)[0]), name
+
+
+def test_cliffs_run_without_gradients(runs):
+    fig = cliff_figure(runs["evals_only"])
+    assert not is_no_data(panels(fig, "accuracy")[0])
+    for name in ROWS[1:]:
+        assert is_no_data(panels(fig, name)[0]), name
+
+
+def test_cliffs_single_step_run(runs):
+    fig = cliff_figure(runs["single"], size="one")
+    assert fig.get_figwidth() == pytest.approx(3.4)
+    norm = panels(fig, "grad_norm")[0]
+    lines = [ln for ln in norm.lines if ln.get_label() in ROLES]
+    assert len(lines) == 2 and all(ln.get_marker() == "o" for ln in lines)   # a point, not an invisible line
+    shares = panels(fig, "shares")[0]
+    width = np.ptp(shares.collections[0].get_paths()[0].vertices[:, 0])
+    assert width > 0                                                 # a one-step band, visible
+    lo, hi = norm.get_xlim()
+    assert lo < 0 and hi > 1                                         # the step is inside the axes
+
+
+def test_cliffs_roles_without_peers(runs):
+    fig = cliff_figure(runs["evalopt_ip"])
+    coh = panels(fig, "coherence")[0]
+    assert is_no_data(coh)
+    assert "two or more agents" in next(t.get_text() for t in coh.texts if t.get_gid() == "no-data")
+    norm = panels(fig, "grad_norm")[0]
+    assert {ln.get_label() for ln in norm.lines} >= {"generator", "evaluator"}
+
+
+# ------------------------------------------------------------------ ip vs sp
+def test_ip_vs_sp_with_seeds(runs):
+    fig = ip_vs_sp_figure([runs["ip_ok"], runs["ip_ok2"], runs["sp_ok"], runs["sp_ok2"], runs["sp_ok3"]])
+    ip, sp = panels(fig, "accuracy:ip")[0], panels(fig, "accuracy:sp")[0]
+    assert ip.get_shared_y_axes().joined(ip, sp)
+    assert ip.get_ylabel() == "held-out accuracy" and ip.get_xlabel() == "training step"
+    assert sum(ln.get_gid() == "seed" for ln in ip.lines) == 2
+    assert sum(ln.get_gid() == "seed" for ln in sp.lines) == 3
+    bands = {ax.get_label(): [c.get_label() for c in ax.collections if c.get_gid() == "band"] for ax in (ip, sp)}
+    assert bands == {"accuracy:ip": ["range (2 runs)"], "accuracy:sp": ["±1 SD (3 runs)"]}
+    for ax in (ip, sp):
+        gids = {ln.get_gid() for ln in ax.lines}
+        assert {"mean", "peak", "final", "base"} <= gids
+        base = next(ln for ln in ax.lines if ln.get_gid() == "base")
+        assert base.get_linestyle() == "--"
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert any(t.startswith("peak ") for t in labels) and any(t.startswith("final ") for t in labels)
+
+
+def test_ip_vs_sp_marks_cliffs(runs):
+    fig = ip_vs_sp_figure([runs["ip_cliff"], runs["sp_ok"]])
+    ip, sp = panels(fig, "accuracy:ip")[0], panels(fig, "accuracy:sp")[0]
+    onset = next(ln for ln in ip.lines if ln.get_gid() == "cliff-onset")
+    assert onset.get_xdata()[0] == data.cliff_of(data.as_series(runs["ip_cliff"])).onset
+    assert not any(ln.get_gid() == "cliff-onset" for ln in sp.lines)
+
+
+@pytest.mark.parametrize("names, message", [
+    (["ip_ok", "sp_ok", "evalopt_ip"], "different workflow"),
+    (["ip_ok", "big_sp"], "different task"),
+    (["ip_ok", "ip_ok2"], "no SP run"),
+    (["ip_ok", "sp_noevals"], "no accuracy evaluations in sp_noevals.h5"),
+])
+def test_ip_vs_sp_refuses(runs, names, message):
+    with pytest.raises(ConfigError, match=message):
+        ip_vs_sp_figure([runs[n] for n in names])
+
+
+# ------------------------------------------------------------------ shares, alignment
+def test_shares(runs):
+    fig = shares_figure(runs["sp_cliff"])
+    assert [ax.get_label() for ax in fig.axes] == ["shares", "token_share", "per_token_share"]
+    stack = panels(fig, "shares")[0]
+    assert [c.get_label() for c in stack.collections if not c.get_label().startswith("_")] == ROLES
+    assert [to_hex(c.get_facecolor()[0]) for c in stack.collections[:1]] == [role_color("voter")]
+    for name in ("token_share", "per_token_share"):
+        assert role_lines(panels(fig, name)[0]) == {r: role_color(r) for r in ROLES}
+    capture = [ln for ln in stack.lines if ln.get_gid() == "capture-onset"]
+    assert any("aggregator" in ln.get_label() for ln in capture)    # the planted capture at step 18
+    assert all(ax.get_ylabel() for ax in fig.axes)
+
+
+@pytest.mark.parametrize("name, message", [("ip_ok", "no parameter set shared"),
+                                           ("evals_only", "no gradient records")])
+def test_shares_refuses(runs, name, message):
+    with pytest.raises(ConfigError, match=message):
+        shares_figure(runs[name])
+
+
+def test_alignment_over_time(runs):
+    fig = alignment_figure(runs["sp_ok"])
+    ax = panels(fig, "alignment-heatmap")[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) == 6 and labels[0] == "voter0 · voter1"      # SP: all 6 pairs, voters first
+    assert ax.get_xlabel() == "training step"
+    assert any(a.get_label() == "<colorbar>" for a in fig.axes)
+    ip = alignment_figure(runs["ip_ok"])
+    assert len(panels(ip, "alignment-heatmap")[0].get_yticklabels()) == 3  # IP: cross-role never measured
+
+
+def test_alignment_at_steps(runs):
+    fig = alignment_figure(runs["sp_cliff"], steps=[10, 30], window=5)
+    mats = [ax for ax in fig.axes if ax.get_label().startswith("alignment:")]
+    assert [ax.get_title() for ax in mats] == ["steps 6–10", "steps 26–30"]
+    m = mats[1].images[0].get_array()
+    assert m.mask[0, 0] and not m.mask[0, 1]                         # diagonal grey, pairs shown
+    assert m[0, 1] > 0.8                                             # the planted voter coherence
+    with pytest.raises(ConfigError, match="no gradient records at step 99"):
+        alignment_figure(runs["sp_ok"], steps=[99])
+
+
+# ------------------------------------------------------------------ sweep and table
+def test_sweep(runs):
+    names = ["ip_ok", "ip_ok2", "sp_ok", "sp_cliff", "big_sp", "big_ip_noevals", "evalopt_ip"]
+    fig = sweep_figure([runs[n] for n in names])
+    ip, sp = panels(fig, "sweep:ip")[0], panels(fig, "sweep:sp")[0]
+    assert [t.get_text() for t in ip.get_xticklabels()] == ["testbed", "Qwen3-1.7B", "Qwen3-4B"]
+    assert [t.get_text() for t in ip.get_yticklabels()] == ["evalopt / math", "voting / code", "voting / math"]
+    cells = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ip.texts}
+    assert cells[(2, 0)].endswith("n=2")                             # two IP seeds averaged
+    assert cells[(2, 2)] == "no data"                                # a run without evaluations
+    assert (1, 0) not in cells                                       # no IP run of voting/code
+    s_cells = [t.get_text() for t in sp.texts]
+    assert len(s_cells) == 2 and any("n=2" in t for t in s_cells)
+    assert any(a.get_label() == "<colorbar>" for a in fig.axes)
+    with pytest.raises(ConfigError, match="none of the runs"):
+        sweep_figure([runs["sp_noevals"]])
+
+
+def test_table(runs):
+    df = summary_table([runs["ip_cliff"], runs["sp_ok"], runs["sp_noevals"], runs["single"]])
+    assert list(df["policy"]) == ["ip", "sp", "sp", "sp"]
+    assert list(df["cliff"]) == [True, False, None, None]
+    assert df["cliff_onset"].iloc[0] == 26
+    md = format_table(df, "md").splitlines()
+    assert md[0].startswith("| run | workflow | task | model | policy | base | peak")
+    assert "yes (step 26)" in md[2] and "| no |" in md[3] and md[4].count("–") >= 5
+    csv = format_table(df, "csv").splitlines()
+    assert csv[0].split(",")[:5] == ["run", "workflow", "task", "model", "policy"] and len(csv) == 5
+    tex = format_table(df, "latex")
+    assert r"\toprule" in tex and r"$\Delta$" in tex and r"ip\_cliff.h5" in tex
+    with pytest.raises(ConfigError):
+        format_table(df, "html")
+
+
+# ------------------------------------------------------------------ output
+def test_save_formats_and_resolution(runs, tmp_path):
+    from PIL import Image
+
+    fig = ip_vs_sp_figure([runs["ip_ok"], runs["sp_ok"]], size="one")
+    paths = save(fig, tmp_path / "sub" / "ipsp.png", "png,pdf,svg", dpi=200)
+    assert [p.name for p in paths] == ["ipsp.png", "ipsp.pdf", "ipsp.svg"]
+    with Image.open(paths[0]) as im:
+        assert im.info["dpi"][0] == pytest.approx(200, abs=1)
+        assert im.size[0] == pytest.approx(3.4 * 200, abs=2)
+    assert paths[1].read_bytes().startswith(b"%PDF")
+    assert "<text" in paths[2].read_text() or "held-out accuracy" in paths[2].read_text()
+    with pytest.raises(ConfigError):
+        save(fig, tmp_path / "x", "png", dpi=100)
+    with pytest.raises(ConfigError):
+        save(fig, tmp_path / "x", "jpg")
+
+
+def test_legends_do_not_cover_data(runs):
+    """Rendered: the cliff figure's legend sits outside every panel; ip-vs-sp legends sit below
+    their panels; nothing runs off the page."""
+    fig = cliff_figure([runs["ip_cliff"], runs["sp_cliff"]])
+    r = render(fig)
+    leg = fig.legends[0].get_window_extent(r)
+    page = fig.bbox
+    assert leg.x0 >= page.x0 - 1 and leg.x1 <= page.x1 + 1 and leg.y1 <= page.y1 + 1
+    for ax in fig.axes:
+        assert not leg.overlaps(ax.get_window_extent(r)), ax.get_label()
+    fig = ip_vs_sp_figure([runs["ip_ok"], runs["sp_ok"]])
+    r = render(fig)
+    for ax in fig.axes:
+        box = ax.get_legend().get_window_extent(r)
+        assert box.y1 <= ax.get_window_extent(r).y0 and box.y0 >= page.y0 - 1
