@@ -2,7 +2,8 @@
 
 For every per-step signal (each role's gradient norm, each multi-agent role's coherence, each
 role's contribution share in a shared set, each policy's update size), the baseline is the median
-and MAD of the ``baseline`` steps up to the accuracy peak. A signal *moves* at the first step after
+and MAD of the ``baseline`` steps up to the accuracy peak (the run's first 5 steps when the peak
+comes earlier). A signal *moves* at the first step after
 the peak at which it leaves the baseline by ``z`` robust standard deviations (at least ``rel`` of
 the baseline level, so flat signals do not fire on noise) for ``persist`` consecutive steps. The
 lead is ``onset − that step`` (positive: it moved before accuracy fell).
@@ -50,13 +51,16 @@ def first_move(steps: np.ndarray, values: np.ndarray, peak_step: int) -> tuple[i
     """(step, baseline, value) where the signal first leaves its pre-peak baseline, or None."""
     ok = np.isfinite(values)
     steps, values = steps[ok], values[ok]
-    base = values[(steps <= peak_step)][-BASELINE:]
-    if len(base) < 5:
+    pre = np.flatnonzero(steps <= peak_step)[-BASELINE:]
+    if len(pre) < 5:  # a peak at the very start: the first steps are the baseline
+        pre = np.arange(min(5, len(steps)))
+    if len(pre) < 5:
         return None
+    base = values[pre]
     med = float(np.median(base))
     spread = max(Z * 1.4826 * float(np.median(np.abs(base - med))), REL * abs(med), 1e-12)
     out_of_band = np.abs(values - med) > spread
-    after = np.flatnonzero(steps > peak_step)
+    after = np.arange(pre[-1] + 1, len(steps))
     run = 0
     for i in after:
         run = run + 1 if out_of_band[i] else 0
