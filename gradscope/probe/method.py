@@ -1,8 +1,8 @@
 """The pluggable part of the probe: how per-agent gradient contributions are measured.
 
-A :class:`GramMethod` sees one probed step at a time: ``begin``, any number of ``backward`` calls
-(one per micro-batch), then ``end`` (or ``abort`` on error). After ``end`` every parameter's
-``.grad`` must be what an unprobed step would have left, to fp32 rounding.
+A :class:`GramMethod` sees one probed step at a time: ``begin``, any number of ``backward`` /
+``backward_tokens`` calls (one per micro-batch), then ``end`` (or ``abort`` on error). After ``end``
+every parameter's ``.grad`` must be what an unprobed step would have left, to fp32 rounding.
 """
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ import torch
 import torch.nn as nn
 
 
+def token_terms(token_loss: torch.Tensor, agent_ids: torch.Tensor,
+                agents: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
+    """Per-agent scalar loss terms ``(k, Σ token_loss[agent_ids == k])`` for the given agents."""
+    return [(k, token_loss[agent_ids == k].sum()) for k in agents]
+
+
 class GramMethod(ABC):
     """Measures ``M^g_kl = <g_k, g_l>`` restricted to each parameter group ``g``.
 
@@ -21,12 +27,13 @@ class GramMethod(ABC):
         params: the probed parameters, in any order.
         group_index: ``group_index[i]`` is the group of ``params[i]``; groups are ``0..n_groups-1``.
         n_agents: K.
+        model: the module the parameters belong to (methods that hook layers need it), or None.
     """
 
     name: str = ""
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
-                 n_agents: int) -> None:
+                 n_agents: int, *, model: nn.Module | None = None) -> None:
         self.params = list(params)
         self.group_index = list(group_index)
         self.n_groups = n_groups
@@ -40,6 +47,14 @@ class GramMethod(ABC):
     def backward(self, terms: Sequence[tuple[int, torch.Tensor]], retain_graph: bool) -> None:
         """Back-propagate ``Σ terms`` (scalar losses, each tagged with its agent index)."""
 
+    def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, agents: Sequence[int],
+                        retain_graph: bool) -> None:
+        """Back-propagate ``token_loss.sum()``; ``agent_ids`` (same shape) holds each token's agent, -1 for none.
+
+        ``agents`` lists the agent indices that own at least one token. Default: one term per agent.
+        """
+        self.backward(token_terms(token_loss, agent_ids, agents), retain_graph)
+
     @abstractmethod
     def end(self) -> np.ndarray:
         """Finish the step; return the per-group Grams, float64 of shape (n_groups, K, K)."""
@@ -47,3 +62,6 @@ class GramMethod(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Leave ``.grad`` as an unprobed step interrupted at this point would have."""
+
+    def close(self) -> None:
+        """Release whatever the method attached to the model (hooks); the method is unusable afterwards."""

@@ -26,11 +26,12 @@ import torch.nn as nn
 from gradscope.errors import ProbeError
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe.groups import GroupSpec, assign_groups
+from gradscope.probe.hooks import HooksMethod, find_layers
 from gradscope.probe.method import GramMethod
 from gradscope.probe.split import SplitMethod
 
-#: Available ways to measure the Gram; see docs/probe.md.
-METHODS: dict[str, type[GramMethod]] = {"split": SplitMethod}
+#: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
+METHODS: dict[str, type[GramMethod]] = {"split": SplitMethod, "hooks": HooksMethod}
 
 ParamsLike = Iterable[tuple[str, nn.Parameter]] | Iterable[nn.Parameter]
 
@@ -71,19 +72,22 @@ class Probe:
             parameter, trainable or not (peft switches inactive adapters off).
         groups: per-group Grams: None (one group ``"all"``), ``"adapter"``, ``"layer"``, a function
             name → group, or ``{group: [name prefixes]}``.
-        method: how to measure: ``"split"`` (one backward per agent).
+        method: how to measure: ``"hooks"`` (one backward, layer hooks; every probed parameter must
+            belong to an ``nn.Linear`` / ``nn.Embedding`` of ``model``), ``"split"`` (one backward
+            per agent, any model), or ``"auto"``: hooks where it covers every probed parameter, else
+            split. ``method_name`` holds the one chosen.
     """
 
     def __init__(self, model: nn.Module | None, agents: Sequence[str], roles: Mapping[str, str], *,
                  params: ParamsLike | None = None, groups: GroupSpec = None,
-                 method: str = "split") -> None:
+                 method: str = "auto") -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
         missing = [a for a in agents if a not in roles]
         if missing:
             raise ProbeError(f"no role given for agents {missing}")
-        if method not in METHODS:
-            raise ProbeError(f"unknown probe method {method!r}; available: {sorted(METHODS)}")
+        if method != "auto" and method not in METHODS:
+            raise ProbeError(f"unknown probe method {method!r}; available: {sorted(METHODS) + ['auto']}")
         self.agents = list(agents)
         self.agent_roles = [roles[a] for a in self.agents]
         self.roles = list(dict.fromkeys(self.agent_roles))
@@ -95,8 +99,9 @@ class Probe:
         self.group_sizes = [0] * len(self.groups)
         for (_, p), g in zip(named, group_index):
             self.group_sizes[g] += p.numel()
-        self.method_name = method
-        self._method = METHODS[method]([p for _, p in named], group_index, len(self.groups), len(agents))
+        self.method_name = _choose_method(method, model, named)
+        self._method = METHODS[self.method_name]([p for _, p in named], group_index, len(self.groups),
+                                                 len(agents), model=model)
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
         self.last: StepResult | None = None
@@ -119,6 +124,10 @@ class Probe:
             handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens)
         finally:
             self._open = False
+
+    def close(self) -> None:
+        """Remove whatever the method attached to the model (the hooks method's layer hooks)."""
+        self._method.close()
 
     def agent_index(self, agent: str) -> int:
         try:
@@ -174,8 +183,26 @@ class ProbeStep:
         if counts.numel() > len(self.tokens):
             raise ProbeError(f"agent id {counts.numel() - 1} out of range for {len(self.tokens)} agents")
         self.tokens += counts.cpu().numpy()
-        terms = [(k, token_loss[agent_ids == k].sum()) for k in range(len(self.tokens)) if counts[k] > 0]
-        self._probe._method.backward(terms, retain_graph)
+        agents = [k for k, n in enumerate(counts.tolist()) if n > 0]
+        self._probe._method.backward_tokens(token_loss, agent_ids, agents, retain_graph)
+
+
+def _choose_method(method: str, model: nn.Module | None, named: list[tuple[str, nn.Parameter]]) -> str:
+    """``method`` itself, or for ``"auto"`` hooks when it covers every probed parameter, else split."""
+    if method not in ("hooks", "auto"):
+        return method
+    if model is None:
+        if method == "hooks":
+            raise ProbeError("method='hooks' needs the model (its layers are hooked); pass it or use method='split'")
+        return "split"
+    _, uncovered = find_layers(model, [p for _, p in named])
+    if uncovered and method == "hooks":
+        names = [named[i][0] for i in uncovered]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ProbeError(f"method='hooks' supports parameters of nn.Linear and nn.Embedding layers (peft LoRA "
+                         f"included); {len(names)} probed parameter(s) are not: {shown}. Use method='split' "
+                         "(or 'auto', which then picks split)")
+    return "split" if uncovered else "hooks"
 
 
 def _named_params(model: nn.Module | None, params: ParamsLike | None) -> list[tuple[str, nn.Parameter]]:

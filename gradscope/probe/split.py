@@ -24,7 +24,7 @@ class SplitMethod(GramMethod):
     name = "split"
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
-                 n_agents: int) -> None:
+                 n_agents: int, *, model: nn.Module | None = None) -> None:
         super().__init__(params, group_index, n_groups, n_agents)
         devices = {p.device for p in self.params}
         if len(devices) > 1:
@@ -73,6 +73,13 @@ class SplitMethod(GramMethod):
             row[start:stop] += p.grad.reshape(-1).to(self.dtype)
             self._touched[i] = True
             p.grad = None
+
+    def agent_grads(self, i: int) -> torch.Tensor | None:
+        """``params[i]``'s per-agent gradients so far in this step, a (K, *shape) view; None if none flowed."""
+        if not self._touched[i]:
+            return None
+        start, stop = self.offsets[i]
+        return self.buffer[:, start:stop].view(self.n_agents, *self.params[i].shape)
 
     def end(self) -> np.ndarray:
         grams = np.zeros((self.n_groups, self.n_agents, self.n_agents))

@@ -1,0 +1,339 @@
+"""The hooks probe (one backward, layer hooks) against split and brute force (autograd per agent)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gradscope.errors import ProbeError
+from gradscope.peft_support import adapter_parameters, use_adapter
+from gradscope.probe import Probe
+from gradscope.probe import hooks as hooks_module
+from tests.gradscope.test_probe import AGENTS, ROLES, brute_force_gram, rel_err
+from tests.gradscope.tiny_lm import batch, tiny_lora_lm
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-9}
+DTYPES = [torch.float32, torch.float64]
+# GHOST_FACTOR settings: never ghost, ghost for the first micro-batch then materialise, always ghost.
+GHOST = {"dense": 0.0, "switch": 15.0, "ghost": 1e9}
+
+
+def run(model, method, calls, groups=None):
+    """One probed step: each call runs a forward and returns (token_loss, agent_ids) for backward_tokens."""
+    model.zero_grad(set_to_none=True)
+    probe = Probe(model, AGENTS, ROLES, method=method, groups=groups)
+    try:
+        with probe.step(0) as s:
+            for call in calls:
+                s.backward_tokens(*call())
+    finally:
+        probe.close()
+    return s.result, probe
+
+
+def brute(calls, params):
+    """Brute-force Gram of the union of the calls' tokens (one autograd.grad per agent)."""
+    losses = [call() for call in calls]
+    terms = {a: sum(loss[ids == k].sum() for loss, ids in losses) for k, a in enumerate(AGENTS)}
+    return brute_force_gram(terms, params)
+
+
+def grads(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- LoRA LMs (SP and IP)
+class LMCase:
+    """8 rows: voters 0,1,2,0,1,2 (each voter spread over two left-padded sequences), aggregator ×2.
+
+    Each row's first two targets are prompt (agent -1, zero loss); padding is -1 as well. Losses are
+    -advantage × log p, normalised by the whole batch's agent tokens, so micro-batches add up.
+    """
+
+    ROW_AGENT = torch.tensor([0, 1, 2, 0, 1, 2, 3, 3])
+
+    def __init__(self, model, policy: str, seed: int = 11):
+        self.model, self.policy = model, policy
+        v_ids, v_mask = batch(6, 12, seed, pad_left=3)
+        a_ids, a_mask = batch(2, 12, seed + 100, pad_left=2)
+        self.ids, self.mask = torch.cat([v_ids, a_ids]), torch.cat([v_mask, a_mask])
+        self.adv = torch.linspace(-1, 1, 8)[:, None]
+        agent_ids = self.ROW_AGENT[:, None].expand(8, 11).clone()
+        agent_ids[self.mask[:, 1:] == 0] = -1
+        agent_ids[:, :2] = -1
+        self.agent_ids = agent_ids
+        self.n_total = int((agent_ids >= 0).sum())
+
+    def logprobs(self, rows):
+        logits = self.model(input_ids=self.ids[rows], attention_mask=self.mask[rows]).logits[:, :-1]
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, self.ids[rows, 1:, None])[..., 0]
+        return lp * self.mask[rows, 1:]
+
+    def call(self, rows):
+        """A micro-batch of rows: one forward (SP) or one forward per role, concatenated in call order (IP)."""
+        def forward():
+            if self.policy == "sp":
+                lp = self.logprobs(rows)
+                order = rows
+            else:
+                voters, aggs = [r for r in rows if r < 6], [r for r in rows if r >= 6]
+                parts = []
+                for adapter, part in (("voter", voters), ("aggregator", aggs)):
+                    if part:
+                        with use_adapter(self.model, adapter):
+                            parts.append(self.logprobs(part))
+                lp, order = torch.cat(parts), voters + aggs
+            ids = self.agent_ids[order]
+            return -self.adv[order] * lp * (ids >= 0) / self.n_total, ids
+        return forward
+
+
+def lora_model(policy, dtype):
+    return tiny_lora_lm(["shared"] if policy == "sp" else ["voter", "aggregator"], dtype=dtype)
+
+
+def lora_params(model):
+    return [p for ps in adapter_parameters(model).values() for _, p in ps]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
+@pytest.mark.parametrize("policy", ["sp", "ip"])
+def test_lora_lm_hooks_equals_split_and_brute_force(policy, dtype):
+    model = lora_model(policy, dtype)
+    case = LMCase(model, policy)
+    calls = [case.call(list(range(8)))]
+    expected = brute(calls, lora_params(model))
+    model.zero_grad(set_to_none=True)
+    calls[0]()[0].sum().backward()  # the unprobed step
+    plain = grads(model)
+
+    groups = "adapter" if policy == "ip" else "layer"
+    hooks, probe = run(model, "auto", calls, groups=groups)
+    assert probe.method_name == "hooks" and probe._method._fallback is None
+    assert all(torch.equal(g, plain[n]) if g is not None else plain[n] is None
+               for n, g in grads(model).items())  # hooks only observe one ordinary backward
+    split, _ = run(model, "split", calls, groups=groups)
+    assert rel_err(hooks.gram, expected) < TOL[dtype]
+    assert rel_err(hooks.gram, split.gram) < TOL[dtype]
+    assert rel_err(hooks.group_gram, split.group_gram) < TOL[dtype]
+    np.testing.assert_allclose(hooks.group_gram.sum(0), hooks.gram, rtol=1e-12, atol=0)
+    assert hooks.tokens.tolist() == [int((case.agent_ids == k).sum()) for k in range(4)]
+    if policy == "ip":
+        assert np.all(hooks.gram[:3, 3] == 0) and np.all(hooks.gram[3, :3] == 0)
+    else:
+        assert probe.groups == ["layer0", "layer1"] and np.abs(hooks.gram[:3, 3]).min() > 0
+
+
+@pytest.mark.parametrize("ghost", GHOST)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
+@pytest.mark.parametrize("policy", ["sp", "ip"])
+def test_gradient_accumulation_equals_one_big_batch(policy, dtype, ghost, monkeypatch):
+    """Two micro-batches in one step; the ghost form must keep the cross-call terms."""
+    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    model = lora_model(policy, dtype)
+    case = LMCase(model, policy)
+    expected = brute([case.call(list(range(8)))], lora_params(model))
+    calls = [case.call([0, 1, 2]), case.call([3, 4, 5, 6, 7])]
+    hooks, probe = run(model, "hooks", calls)
+    hooks_grads = grads(model)
+    split, _ = run(model, "split", calls)
+    assert probe._method._fallback is None
+    assert rel_err(hooks.gram, expected) < TOL[dtype]
+    assert rel_err(hooks.gram, split.gram) < TOL[dtype]
+    for name, g in grads(model).items():
+        if g is not None:
+            torch.testing.assert_close(hooks_grads[name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_unprobed_steps_between_do_not_confuse_the_rows():
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    probe = Probe(model, AGENTS, ROLES)
+    loss, _ = case.call([0, 1, 2])()
+    loss.sum().backward()                              # an unprobed step, hooks installed
+    with torch.no_grad():
+        case.logprobs([4, 5])                          # a no-grad forward (sampling)
+    model.zero_grad(set_to_none=True)
+    with probe.step(0) as s:
+        s.backward_tokens(*case.call(list(range(8)))())
+    assert probe._method._fallback is None
+    assert rel_err(s.result.gram, brute([case.call(list(range(8)))], lora_params(model))) < 1e-5
+
+
+# ---------------------------------------------------------------- a fully trained Embedding + Linear head
+class EmbedLM(nn.Module):
+    """Embedding (padding_idx 0) → causal running mean over positions (mixes a row) → tanh → Linear head."""
+
+    def __init__(self, vocab: int = 23, dim: int = 16, dtype=torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim, padding_idx=0, dtype=dtype)
+        self.head = nn.Linear(dim, vocab, dtype=dtype)
+
+    def forward(self, ids):
+        h = self.emb(ids).cumsum(1) / torch.arange(1, ids.shape[1] + 1, dtype=self.head.weight.dtype)[:, None]
+        return self.head(torch.tanh(h))
+
+
+def embed_case(model, n: int = 8, seed: int = 5, mix_row: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 23, (n, 10), generator=g)
+    ids[::3, :3] = 0  # left padding
+    row_agent = torch.tensor([0, 1, 2, 3, 0, 1, 2, -1])[:n]  # row 7: no agent, zero loss
+    agent_ids = row_agent[:, None].expand(n, 9).clone()
+    agent_ids[ids[:, 1:] == 0] = -1
+    if mix_row:
+        agent_ids[1, 6:] = 2  # row 1 holds tokens of agents 1 and 2
+    adv = torch.linspace(-1, 1, n, dtype=model.head.weight.dtype)[:, None]
+
+    def call(rows=slice(None)):
+        def forward():
+            logits = model(ids[rows])[:, :-1]
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[rows, 1:, None])[..., 0]
+            return -adv[rows] * lp * (agent_ids[rows] >= 0) / 50, agent_ids[rows]
+        return forward
+    return call
+
+
+@pytest.mark.parametrize("ghost", GHOST)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
+def test_trained_embedding_and_head(dtype, ghost, monkeypatch):
+    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    model = EmbedLM(dtype=dtype)
+    call = embed_case(model)
+    params = list(model.parameters())
+    expected = brute([call()], params)
+    groups = {"emb": ["emb."], "head": ["head."]}
+    one, probe = run(model, "auto", [call()], groups=groups)
+    acc, _ = run(model, "auto", [call(slice(0, 3)), call(slice(3, 8))], groups=groups)
+    split, _ = run(model, "split", [call()], groups=groups)
+    assert probe.method_name == "hooks"
+    for result in (one, acc):
+        assert rel_err(result.gram, expected) < TOL[dtype]
+        assert rel_err(result.group_gram, split.group_gram) < TOL[dtype]
+    assert model.emb.weight.grad[0].abs().max() == 0  # padding_idx: no gradient, none attributed
+
+
+@pytest.mark.parametrize("order", ["tokens-then-dict", "dict-then-tokens"])
+def test_dict_calls_and_mixed_rows_fall_back_to_split_within_the_step(order, monkeypatch):
+    """backward({agent: loss}) and rows mixing agents go through split; they mix with hooks calls."""
+    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", 1e9)  # the head in ghost form, then materialised
+    model = EmbedLM(dtype=torch.float64)
+    call = embed_case(model)
+    params = list(model.parameters())
+    expected = brute([call()], params)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+
+    def as_dict():
+        loss, ids = call(slice(3, 8))()
+        return {a: loss[ids == k].sum() for k, a in enumerate(AGENTS)}
+    with probe.step(0) as s:
+        if order == "tokens-then-dict":
+            s.backward_tokens(*call(slice(0, 3))())
+            s.backward(as_dict())
+        else:
+            s.backward(as_dict())
+            s.backward_tokens(*call(slice(0, 3))())
+    assert probe._method._fallback is not None
+    assert rel_err(s.result.gram, expected) < 1e-9
+    plain = EmbedLM(dtype=torch.float64)
+    embed_case(plain)()()[0].sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+
+    mixed = embed_case(model, mix_row=True)()
+    model.zero_grad(set_to_none=True)
+    probe._method._fallback = None
+    with probe.step(1) as s:
+        s.backward_tokens(*mixed())
+    assert probe._method._fallback is not None
+    assert rel_err(s.result.gram, brute([mixed], params)) < 1e-9
+
+
+@pytest.mark.parametrize("ghost", GHOST)
+def test_mlp_on_2d_inputs_with_biases(ghost, monkeypatch):
+    """Rows are samples (no token axis): Linear inputs (n, d); token_loss is (n, 1)."""
+    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randn(12, 3, generator=g, dtype=torch.float64)
+    agent_ids = torch.tensor([0, 1, 2, 3, 2, 1, 0, 0, 1, 3, 2, -1])[:, None]
+
+    def call(rows):
+        def forward():
+            loss = ((model(x[rows]) - y[rows]) ** 2).sum(1, keepdim=True) * (agent_ids[rows] >= 0) / 12
+            return loss, agent_ids[rows]
+        return forward
+    expected = brute([call(slice(None))], list(model.parameters()))
+    result, probe = run(model, "auto", [call(slice(0, 5)), call(slice(5, 12))])
+    assert probe.method_name == "hooks" and probe._method._fallback is None
+    assert rel_err(result.gram, expected) < 1e-9
+
+
+# ---------------------------------------------------------------- guarantees and refusals
+def test_nonfinite_measured_failed_step_and_existing_grad():
+    model, plain = EmbedLM(), EmbedLM()
+    call, plain_call = embed_case(model)(), embed_case(plain)()
+    probe = Probe(model, AGENTS, ROLES)
+
+    def nan_row(c):
+        loss, ids = c()
+        return loss * torch.where(torch.arange(8)[:, None] == 1, float("nan"), 1.0), ids
+    with probe.step(0) as s:
+        s.backward_tokens(*nan_row(call))
+    assert not s.result.finite and np.isfinite(s.result.gram[0, 0])
+    nan_row(plain_call)[0].sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True)
+
+    for m in (model, plain):
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.25)  # kept, and the add-up check must not misfire
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe.step(1) as s:
+            s.backward_tokens(*call())
+            raise RuntimeError("boom")
+    plain_call()[0].sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with probe.step(2) as s:
+        s.backward_tokens(*call())
+    assert s.result.finite and s.result.gram[0, 0] > 0
+
+
+def test_uncovered_parameters_refused_or_split():
+    model = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    with pytest.raises(ProbeError, match=r"not: 1\.weight, 1\.bias\. Use method='split'"):
+        Probe(model, AGENTS, ROLES, method="hooks")
+    assert Probe(model, AGENTS, ROLES).method_name == "split"
+    model[1].requires_grad_(False)
+    assert Probe(model, AGENTS, ROLES).method_name == "hooks"
+
+    mha = nn.MultiheadAttention(8, 2)  # out_proj is a Linear subclass used without its forward
+    assert Probe(mha, AGENTS, ROLES).method_name == "split"
+    tied = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7, bias=False))
+    tied[1].weight = tied[0].weight
+    assert Probe(tied, AGENTS, ROLES).method_name == "split"
+    with pytest.raises(ProbeError, match="needs the model"):
+        Probe(None, AGENTS, ROLES, params=list(model.parameters()), method="hooks")
+    assert Probe(None, AGENTS, ROLES, params=list(model.parameters())).method_name == "split"
+
+
+def test_weight_used_outside_its_layer_is_caught():
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)  # the second use is invisible to hooks
+
+    model = Leaky()
+    x = torch.randn(4, 3, 4)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match="do not add up"):
+        with probe.step(0) as s:
+            s.backward_tokens(model(x).sum(-1), torch.arange(4)[:, None].expand(4, 3))
