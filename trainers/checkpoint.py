@@ -30,6 +30,7 @@ def save_checkpoint(folder: Path, step: int, model, updater, trainer) -> Path:
         "updater_rng": updater.rng.getstate(),
         "task_rng": trainer.task_rng.getstate(),
         "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
     }, tmp / "state.pt")
@@ -59,6 +60,8 @@ def load_checkpoint(folder: Path, model, updater, trainer) -> int:
     updater.rng.setstate(state["updater_rng"])
     trainer.task_rng.setstate(state["task_rng"])
     torch.set_rng_state(state["torch_rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
     np.random.set_state(state["numpy_rng"])
     random.setstate(state["python_rng"])
     return int(state["step"])

@@ -45,9 +45,8 @@ class Sampler:
         width = enc["input_ids"].shape[1]
         samples = []
         for row, mask, gen in zip(enc["input_ids"], enc["attention_mask"], ids[:, width:].tolist()):
-            if self.eos in gen:  # keep the EOS: the policy must learn to stop
+            if self.eos in gen:  # keep the EOS (the policy must learn to stop); only padding follows it
                 gen = gen[: gen.index(self.eos) + 1]
-            gen = [t for t in gen if t != self.tokenizer.pad_token_id]
             text = self.tokenizer.decode([t for t in gen if t != self.eos], skip_special_tokens=True)
             samples.append(Sample(row[mask.bool()].tolist(), gen, text))
         return samples

@@ -148,7 +148,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy and the per-role text signature, sampled with a fixed seed."""
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng():  # evaluation must not move training's RNG streams (CUDA too)
             torch.manual_seed(self.cfg.seed + 1_000_003)
             episodes = self.workflow.run(self.tasks.held_out, self.sampler)
         self.scorer.score(episodes)
