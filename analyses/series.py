@@ -18,7 +18,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from gradscope import stats
+from gradscope import stats, steps
 from gradscope.runfile import RunReader
 
 
@@ -88,7 +88,7 @@ class RunSeries:
     @cached_property
     def role_sets(self) -> dict[str, list[str]]:
         """policy → roles trained by it (non-zero gradient in its records)."""
-        present = self.record_role_norm > 0
+        present = steps.present(self.record_role_norm)
         out = {}
         for policy in dict.fromkeys(self.record_policy.tolist()):
             mask = self.record_policy == policy
@@ -107,22 +107,8 @@ class RunSeries:
         return stats.role_norms(self.gram, self.P)
 
     def per_step(self, values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-        """Mean over each training step's records: (N, ...) → (T, ...); NaN where no record counts.
-
-        ``mask`` (N, ...) selects which record values count (default: finite ones).
-        """
-        values = np.asarray(values, dtype=float)
-        ok = np.isfinite(values) if mask is None else (mask & np.isfinite(values))
-        T, tail = len(self.steps), values.shape[1:]
-        if not len(values):
-            return np.full((T, *tail), np.nan)
-        flat_v = np.where(ok, values, 0.0).reshape(len(values), -1)
-        flat_ok = ok.reshape(len(values), -1).astype(float)
-        idx = self._step_index
-        total = np.stack([np.bincount(idx, flat_v[:, c], minlength=T) for c in range(flat_v.shape[1])], axis=1)
-        count = np.stack([np.bincount(idx, flat_ok[:, c], minlength=T) for c in range(flat_v.shape[1])], axis=1)
-        mean = np.divide(total, count, out=np.full_like(total, np.nan), where=count > 0)
-        return mean.reshape(T, *tail)
+        """Mean over each training step's records: (N, ...) → (T, ...) (:func:`gradscope.steps.step_mean`)."""
+        return steps.step_mean(values, self._step_index, len(self.steps), mask)
 
     @cached_property
     def role_norm(self) -> np.ndarray:
@@ -157,16 +143,11 @@ class RunSeries:
 
     def _compute_set_stats(self, policy: str) -> dict[str, np.ndarray]:
         roles = self.role_sets[policy]
-        cols = [self.roles.index(r) for r in roles]
-        keep = np.isin(np.asarray(self.agent_roles), roles)
         mask = (self.record_policy == ("" if policy == "all" else policy))[:, None]
-        M = self.gram[:, keep][:, :, keep]
-        P = self.P[keep][:, cols]
-        tok = self.tokens[:, keep]
-        return {"share": self.per_step(stats.contribution_shares(M, P), mask),
-                "token_share": self.per_step(stats.token_shares(tok, P), mask),
-                "per_token_share": self.per_step(stats.per_token_shares(M, tok, P), mask),
-                "roles": np.array(roles)}
+        per_record = steps.shared_set_stats(self.gram, self.tokens, self.agent_roles, roles)
+        out = {name: self.per_step(values, mask) for name, values in per_record.items()}
+        out["roles"] = np.array(roles)
+        return out
 
     @cached_property
     def accuracy(self) -> pd.Series:

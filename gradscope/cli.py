@@ -60,6 +60,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return compare_main(args)
 
 
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from gradscope.alerts.cli import watch_main
+
+    return watch_main(args)
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from figures.cli import plot_main  # matplotlib loads only for this command
 
@@ -101,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--md", action="store_true", help="Markdown table")
     add_threshold_arguments(p)
     p.set_defaults(func=_cmd_compare)
+
+    from gradscope.alerts.cli import add_alert_arguments
+
+    p = sub.add_parser("watch", help="follow a live run file (any framework) and raise alerts",
+                       description="Evaluate alert rules on a run file as it grows; exits when the writer "
+                                   "closes it (docs/alerts.md).")
+    p.add_argument("run", help="run file (.h5), live or finished")
+    add_alert_arguments(p)
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the file (default 1)")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="also exit after this many seconds without new data (default 0: wait for the writer)")
+    p.set_defaults(func=_cmd_watch)
 
     p = sub.add_parser("plot", help="paper-style figures: cliffs, ip-vs-sp, shares, alignment, sweep",
                        description="Draw a figure from run files and print the paths written (docs/figures.md).")

@@ -1,6 +1,7 @@
 """Checkpoints: the adapters (loadable with peft) plus everything needed to resume exactly.
 
 ``<run>.h5.ckpt/latest/adapters/`` is ``PeftModel.save_pretrained`` output (one folder per adapter);
+an alert's ``checkpoint`` action writes ``<run>.h5.ckpt/step<N>/`` the same way;
 ``state.pt`` holds the adapter tensors, optimizer states and every random generator's state.
 The folder is written beside and swapped in atomically, so a crash mid-save keeps the previous one.
 """
@@ -17,10 +18,10 @@ from gradscope.errors import ConfigError
 from gradscope.peft_support import adapter_parameters
 
 
-def save_checkpoint(folder: Path, step: int, model, updater, trainer) -> Path:
-    """Save after training step ``step``; returns the checkpoint folder."""
+def save_checkpoint(folder: Path, step: int, model, updater, trainer, name: str = "latest") -> Path:
+    """Save after training step ``step`` as ``folder/name``; returns that folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    tmp, final = folder / "tmp", folder / "latest"
+    tmp, final = folder / "tmp", folder / name
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp / "adapters", selected_adapters=list(model.peft_config))
     torch.save({

@@ -1,6 +1,7 @@
 """``gradscope train``: flags → TrainConfig → Trainer, with a progress bar."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +32,10 @@ def train_main(argv: Sequence[str]) -> int:
     parser = ArgumentParser(prog="gradscope train",
                             description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
     add_arguments(parser)
-    out = run_with_progress(Trainer(from_arguments(parser.parse_args(list(argv))), verbose=True))
+    trainer = Trainer(from_arguments(parser.parse_args(list(argv))), verbose=True,
+                      echo=lambda line: tqdm.write(line, file=sys.stderr))
+    out = run_with_progress(trainer)
+    if trainer.stopped_by is not None:
+        print(f"gradscope: stopped after step {trainer.stopped_after} by alert: {trainer.stopped_by.message}")
     print(f"wrote {out}")
     return 0

@@ -38,6 +38,9 @@ class TrainConfig:
     lora_alpha: float = flag(0.0, "LoRA alpha (0: 32 for real models, 16 for the testbed)")
     max_new_tokens: int = flag(0, "generation limit per turn (0: 24 testbed, 1024 real models)")
     max_evals: int = flag(0, "Eval-Opt evaluation limit (0: 3 for math, 2 for code)")
+    alert: list = flag([], "alert rule 'RULE[: warn,record,checkpoint,stop]', repeatable (docs/alerts.md)")
+    alerts: str | None = flag(None, "YAML file of alert rules")
+    default_alerts: bool = flag(True, "the built-in alert rules (warn + record); --no-default-alerts: off")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def resolved(self) -> "TrainConfig":
@@ -63,8 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             if f.name == "grpo":
                 continue
-            default = f.default
-            if isinstance(default, bool):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if isinstance(default, list):
+                parser.add_argument(_flag(f.name), dest=f.name, action="append", default=default,
+                                    metavar="RULE", help=f.metadata["help"])
+            elif isinstance(default, bool):
                 parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                     default=default, help=f.metadata.get("help"))
             else:

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -184,7 +186,10 @@ class GRPOUpdater:
         else:
             token_loss.sum().backward()
         grad_norm = _clip(self.params[adapter], cfg.grad_clip)
-        optimizer.step()
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:  # a NaN/inf gradient would poison the adapter and AdamW's moments: skip, keep the record
+            optimizer.zero_grad(set_to_none=True)
         if result is None:
             return None
         clip_frac = float((((ratio - clipped).abs() > 0) & mask).sum() / max(n_tokens, 1))

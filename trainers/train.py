@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gradscope.alerts import Alert, Monitor, Rule, check_selectors
+from gradscope.alerts.cli import collect_rules
 from gradscope.errors import ConfigError
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
@@ -38,12 +40,16 @@ PROBE_SPECS = ("gram", "gram,groups", "none")
 SOLVER_ROLES = ("voter", "generator", "worker")
 
 
-def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet]:
-    """Every check that can fail on user input, before any model is built (errors exit 2)."""
+def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
+    """Every check that can fail on user input, before any model is built (errors exit 2).
+    Returns the workflow class, the tasks and the alert rules."""
     if cfg.workflow not in WORKFLOWS:
         raise ConfigError(f"unknown workflow {cfg.workflow!r}; use one of {sorted(WORKFLOWS)}")
     workflow = WORKFLOWS[cfg.workflow]
-    parse_policy(cfg.policy, list(dict.fromkeys(workflow.agent_roles.values())))
+    policy = parse_policy(cfg.policy, list(dict.fromkeys(workflow.agent_roles.values())))
+    rules = collect_rules(cfg.alert, cfg.alerts, cfg.default_alerts)
+    check_selectors(rules, list(workflow.agents), [workflow.agent_roles[a] for a in workflow.agents],
+                    policy.adapters)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
     for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
@@ -66,14 +72,18 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet]:
     n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
     tasks = load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
                        level=cfg.task_level, path=cfg.task_file)
-    return workflow, tasks
+    return workflow, tasks, rules
 
 
 class Trainer:
     """Builds everything from a config; :meth:`run` trains and writes the run file."""
 
-    def __init__(self, cfg: TrainConfig, *, verbose: bool = False) -> None:
-        workflow_cls, self.tasks = validate(cfg)
+    def __init__(self, cfg: TrainConfig, *, verbose: bool = False,
+                 echo: Callable[[str], object] | None = None) -> None:
+        workflow_cls, self.tasks, self.rules = validate(cfg)
+        self.echo = echo  # where alert lines go (None: standard error)
+        self.stopped_by: Alert | None = None  # the alert whose ``stop`` ended the run
+        self.stopped_after = 0                 # ... after this training step
         self.cfg = cfg = cfg.resolved()
         self.verbose = verbose
         random.seed(cfg.seed)
@@ -106,6 +116,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:
+        """Train to ``cfg.steps``, or until an alert's ``stop`` (then :attr:`stopped_by` is set, the
+        step in progress is finished, checkpointed, and the last event is ``stop``)."""
         cfg, out = self.cfg, Path(self.cfg.out)
         ckpt_dir = out.with_name(out.name + ".ckpt")
         start = 1
@@ -115,21 +127,48 @@ class Trainer:
         else:
             writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
         with writer:
+            monitor = self._monitor(writer, ckpt_dir)
             if start == 1:
-                writer.log_eval(0, self.evaluate())
+                evals = self.evaluate()
+                writer.log_eval(0, evals)
+                monitor.evals(0, evals)
             for step in range(start, cfg.steps + 1):
-                metrics = self.train_step(step, writer)
+                if monitor.stop_requested:  # fired by the base evaluation: train nothing
+                    self._stop(writer, step - 1, monitor.stop_requested)
+                    break
+                metrics = self.train_step(step, writer, monitor)
                 if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
                     evals = self.evaluate()
                     writer.log_eval(step, evals)
+                    monitor.evals(step, evals)
                     metrics["eval_accuracy"] = evals["accuracy"]
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                stop = monitor.stop_requested
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
                     save_checkpoint(ckpt_dir, step, self.model, self.updater, self)
                 if on_step is not None:
                     on_step(step, metrics)
+                if stop:
+                    self._stop(writer, step, stop)
+                    break
         return out
 
-    def train_step(self, step: int, writer: RunWriter) -> dict[str, float]:
+    def _stop(self, writer: RunWriter, step: int, alert: Alert) -> None:
+        self.stopped_by, self.stopped_after = alert, step
+        writer.log_event(step, "stop", f"stopped after step {step} by [{alert.rule.label}]", severity="warning")
+
+    def _monitor(self, writer: RunWriter, ckpt_dir: Path) -> Monitor:
+        """Alert rules on this run: every alert is recorded in the run file; ``checkpoint`` saves the
+        adapters now to ``<run>.ckpt/step<N>/`` (loadable with peft, and by ``--resume`` as well)."""
+        def checkpoint(alert: Alert) -> str:
+            return str(save_checkpoint(ckpt_dir, alert.step, self.model, self.updater, self,
+                                       name=f"step{alert.step}"))
+
+        return Monitor(self.rules, list(self.workflow.agents),
+                       [self.workflow.agent_roles[a] for a in self.workflow.agents],
+                       policies=self.policy.adapters, writer=writer, checkpoint=checkpoint,
+                       stop=lambda alert: None, **({"echo": self.echo} if self.echo else {}))
+
+    def train_step(self, step: int, writer: RunWriter, monitor: Monitor | None = None) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
         batch = self.task_rng.sample(self.tasks.train, min(cfg.tasks_per_step, len(self.tasks.train)))
@@ -144,6 +183,12 @@ class Trainer:
         metrics.update(_episode_metrics(episodes, prefix="train/"))
         metrics["time/rollout"], metrics["time/update"] = t1 - t0, time.perf_counter() - t1
         writer.log_metrics(step, metrics)
+        if monitor is not None:
+            if logged:
+                monitor.step(step, np.stack([o.result.gram for o in logged]),
+                             np.stack([o.result.tokens for o in logged]),
+                             [o.policy for o in logged], [o.scalars for o in logged])
+            monitor.metrics(step, metrics)
         return metrics
 
     def evaluate(self) -> dict[str, float]:

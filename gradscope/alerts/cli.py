@@ -1,0 +1,41 @@
+"""Alert flags shared by ``gradscope train`` and ``gradscope watch``, and the ``watch`` command."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from gradscope.alerts.rules import DEFAULT_RULES, Rule, load_rules, parse_rule
+
+
+def add_alert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--alert", action="append", default=[], metavar="'RULE[: ACTION,...]'",
+                        help="alert rule, repeatable, e.g. 'coherence[voter] > 0.75 for 10: warn,stop' "
+                             "(docs/alerts.md)")
+    parser.add_argument("--alerts", default=None, metavar="FILE.yaml", help="alert rules from a YAML file")
+    parser.add_argument("--default-alerts", action=argparse.BooleanOptionalAction, default=True,
+                        help="the built-in rules for amplification, capture, cliffs and non-finite "
+                             "gradients (warn + record); --no-default-alerts turns them off")
+
+
+def collect_rules(texts: Sequence[str], file: str | None, defaults: bool) -> list[Rule]:
+    """Default rules (unless turned off), then the file's, then ``--alert`` ones. ConfigError on a
+    bad rule or file."""
+    rules = list(DEFAULT_RULES) if defaults else []
+    if file:
+        rules += load_rules(file)
+    rules += [parse_rule(t) for t in texts]
+    return rules
+
+
+def watch_main(args: argparse.Namespace) -> int:
+    from gradscope.alerts.watch import watch
+    from gradscope.errors import ConfigError
+    from gradscope.runfile import open_run
+
+    rules = collect_rules(args.alert, args.alerts, args.default_alerts)
+    if args.poll <= 0:
+        raise ConfigError("--poll must be > 0 seconds")
+    open_run(args.run).close()  # a missing or broken file fails here, as one line
+    watch(args.run, rules, poll=args.poll, idle=args.idle, echo=lambda line: print(line, flush=True))
+    return 0
+

@@ -1,0 +1,96 @@
+"""``gradscope watch``: follow a run file written by any process and raise alerts as it grows.
+
+The file is opened as a SWMR reader and polled. A training step is evaluated once it is complete,
+i.e. once anything of a later step is visible (every flush commits all tables together) or the
+writer has closed the file; within a step the order is records, metrics, evaluations — the
+trainer's own order, so ``watch`` fires on the same steps as ``gradscope train --alert``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from gradscope.alerts.engine import Alert
+from gradscope.alerts.monitor import Monitor
+from gradscope.alerts.rules import Rule
+from gradscope.runfile import RunReader, open_run, schema
+
+
+class Follower:
+    """Feeds a (live or finished) run file into a :class:`Monitor`, one :meth:`poll` at a time."""
+
+    def __init__(self, run: RunReader, rules: Sequence[Rule], echo: Callable[[str], object]) -> None:
+        meta = run.meta
+        self.run = run
+        self.monitor = Monitor(rules, meta.agents, meta.agent_roles, policies=meta.policies, echo=echo)
+        self.next = {"records": 0, schema.EVALS: 0, schema.METRICS: 0}
+        self.last_step = -1   # last training step evaluated
+
+    def poll(self) -> list[Alert]:
+        """Evaluate every newly completed step; returns the alerts fired."""
+        run = self.run.refresh()
+        closed = run.closed
+        rec_step = run.read("step", self.next["records"])
+        tables = {t: run.read_table(t)[self.next[t]:] for t in (schema.EVALS, schema.METRICS)}
+        seen = [int(a.max()) for a in (rec_step, *(t["step"] for t in tables.values())) if len(a)]
+        if not seen:
+            return []
+        horizon = np.inf if closed else max(seen) - 1
+        items: list[tuple[int, int, object]] = []
+        n_rec = int(np.searchsorted(rec_step, horizon, side="right")) if np.isfinite(horizon) else len(rec_step)
+        if n_rec:
+            lo = self.next["records"]
+            recs = {name: run.read(name, lo, lo + n_rec) for name in ("gram", "tokens", "scalars", "policy")}
+            names = np.array([*run.meta.policies, None], dtype=object)
+            pol = names[np.where(recs["policy"] >= 0, recs["policy"], len(run.meta.policies))]
+            for s in np.unique(rec_step[:n_rec]):
+                m = rec_step[:n_rec] == s
+                scal = [dict(zip(run.meta.scalar_names, row)) for row in recs["scalars"][m]]
+                items.append((int(s), 0, (recs["gram"][m], recs["tokens"][m], list(pol[m]), scal)))
+            self.next["records"] += n_rec
+        for order, table in ((1, schema.METRICS), (2, schema.EVALS)):
+            rows = tables[table]
+            n = next((i for i, s in enumerate(rows["step"]) if s > horizon), len(rows))  # rows are in step order
+            by_step: dict[int, dict[str, float]] = {}
+            for row in rows[:n]:
+                by_step.setdefault(int(row["step"]), {})[row["name"].decode("utf-8", "replace")] = float(row["value"])
+            items += [(s, order, v) for s, v in by_step.items()]
+            self.next[table] += n
+        fired = []
+        for s, order, payload in sorted(items, key=lambda it: (it[0], it[1])):
+            if order == 0:
+                fired += self.monitor.step(s, *payload)
+            elif order == 1:
+                fired += self.monitor.metrics(s, payload)
+            else:
+                fired += self.monitor.evals(s, payload)
+            self.last_step = max(self.last_step, s)
+        return fired
+
+
+def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 0.0,
+          echo: Callable[[str], object] = print) -> list[Alert]:
+    """Follow ``path`` until its writer closes it (or nothing new arrives for ``idle`` seconds,
+    when ``idle`` > 0); returns every alert fired. Alerts are printed through ``echo``."""
+    with open_run(path) as run:
+        follower = Follower(run, rules, echo)
+        meta = run.meta
+        echo(f"watching {path}: {len(meta.agents)} agents, roles {', '.join(dict.fromkeys(meta.agent_roles))}; "
+             f"{len(rules)} rules")
+        quiet_since = time.monotonic()
+        while True:
+            before = dict(follower.next)
+            follower.poll()
+            if run.closed:
+                echo(f"writer closed {path} (last step {follower.last_step}): "
+                     f"{len(follower.monitor.fired)} alerts")
+                return follower.monitor.fired
+            if follower.next != before:
+                quiet_since = time.monotonic()
+            elif idle > 0 and time.monotonic() - quiet_since >= idle:
+                echo(f"nothing new in {path} for {idle:g} s and the writer has not closed it (killed?); "
+                     f"{len(follower.monitor.fired)} alerts")
+                return follower.monitor.fired
+            time.sleep(poll)

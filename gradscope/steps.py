@@ -1,0 +1,58 @@
+"""Per-training-step statistics from per-optimizer-step records: the one aggregation rule.
+
+A run file holds one record per optimizer step (several per training step under verl-style
+mini-batching, each tagged with the policy it updated). A role's statistic at training step t is
+the mean over that step's records in which the role is *present* (its gradient is non-zero), so a
+voter policy's three records and the aggregator policy's one do not dilute each other. The
+analyses (whole runs, vectorised) and the alerts (one step at a time) both aggregate with these
+functions.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gradscope import stats
+
+
+def step_mean(values: np.ndarray, index: np.ndarray, n_steps: int, mask: np.ndarray | None = None) -> np.ndarray:
+    """Mean of record values per training step: (N, ...) → (n_steps, ...); NaN where none counts.
+
+    Args:
+        values: (N, ...) one value (or array) per record.
+        index: (N,) int, the training-step slot of each record, in ``[0, n_steps)``.
+        mask: (N, ...) bool, which record values count (default: the finite ones; non-finite
+            values never count).
+    """
+    values = np.asarray(values, dtype=float)
+    ok = np.isfinite(values) if mask is None else (mask & np.isfinite(values))
+    tail = values.shape[1:]
+    if not len(values):
+        return np.full((n_steps, *tail), np.nan)
+    flat_v = np.where(ok, values, 0.0).reshape(len(values), -1)
+    flat_ok = ok.reshape(len(values), -1).astype(float)
+    total = np.stack([np.bincount(index, flat_v[:, c], minlength=n_steps) for c in range(flat_v.shape[1])], axis=1)
+    count = np.stack([np.bincount(index, flat_ok[:, c], minlength=n_steps) for c in range(flat_v.shape[1])], axis=1)
+    mean = np.divide(total, count, out=np.full_like(total, np.nan), where=count > 0)
+    return mean.reshape(n_steps, *tail)
+
+
+def present(role_norms: np.ndarray) -> np.ndarray:
+    """(N, R) bool: the role has a non-zero gradient in the record (NaN norms count as absent)."""
+    return np.nan_to_num(role_norms, nan=0.0) > 0
+
+
+def shared_set_stats(gram: np.ndarray, tokens: np.ndarray, agent_roles: list[str],
+                     set_roles: list[str]) -> dict[str, np.ndarray]:
+    """Per-record shares of the roles training one parameter set, each (N, R_set).
+
+    ``share`` (contribution), ``token_share`` and ``per_token_share`` among ``set_roles`` only:
+    agents of other roles are dropped, so an IP run's other adapters do not enter a set's shares.
+    ``gram`` (N, K, K), ``tokens`` (N, K).
+    """
+    keep = np.isin(np.asarray(agent_roles), set_roles)
+    M = gram[:, keep][:, :, keep]
+    P, _ = stats.role_indicator([r for r, k in zip(agent_roles, keep) if k], list(set_roles))
+    tok = tokens[:, keep]
+    return {"share": stats.contribution_shares(M, P),
+            "token_share": stats.token_shares(tok, P),
+            "per_token_share": stats.per_token_shares(M, tok, P)}
