@@ -1,0 +1,339 @@
+"""Alerts: the rule language, the engine against a reference implementation, values against the
+analyses, actions, and ``gradscope watch`` following a live writer process."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analyses.series import RunSeries
+from gradscope.alerts import DEFAULT_RULES, AlertEngine, Monitor, StepValues, load_rules, parse_rule
+from gradscope.alerts.engine import min_history
+from gradscope.errors import ConfigError
+from gradscope.runfile import RunMeta, RunWriter, open_run
+
+GRADSCOPE = [sys.executable, "-m", "gradscope.cli"]
+AGENTS = ["voter0", "voter1", "voter2", "aggregator"]
+ROLES = ["voter", "voter", "voter", "aggregator"]
+
+
+# ---------------------------------------------------------------- the language
+@pytest.mark.parametrize("text, fields", [
+    ("coherence[voter] > 0.75 for 10", dict(statistic="coherence", selector="voter", op=">", threshold=0.75,
+                                            persist=10, actions=("warn", "record"))),
+    ("share[*] >= 0.7 for 10: stop", dict(statistic="share", selector="*", op=">=", persist=10,
+                                          actions=("record", "stop"))),
+    ("acc_drop > 0.1", dict(statistic="acc_drop", selector=None, threshold=0.1, persist=1)),
+    ("grad_norm[evaluator] > 3x median(50)", dict(threshold=3.0, aggregate="median", window=50)),
+    ("grad_norm[evaluator] > 2.5 x mean(8) cooldown 4", dict(threshold=2.5, aggregate="mean", window=8,
+                                                              cooldown=4)),
+    ("agent_norm[voter0] < max(5)", dict(op="<", threshold=1.0, aggregate="max", window=5)),
+    ("nonfinite: checkpoint, stop", dict(statistic="nonfinite", op=None, actions=("record", "checkpoint", "stop"))),
+    ("train/accuracy <= .1e1 for 3", dict(statistic="train/accuracy", threshold=1.0, persist=3)),
+    ("opt.loss[voter] > 1e3", dict(statistic="opt.loss", selector="voter", threshold=1000.0)),
+])
+def test_rules_parse(text, fields):
+    rule = parse_rule(text)
+    for name, value in fields.items():
+        assert getattr(rule, name) == value, name
+
+
+@pytest.mark.parametrize("text, column, token", [
+    ("coherance[voter] > 0.75", 1, "unknown statistic 'coherance' (did you mean 'coherence'?)"),
+    ("coherence[voter] >> 0.75", 19, "'>'"),
+    ("coherence[voter > 1", 17, "'>'"),
+    ("coherence[voter] > 0.75 for", 28, "end of rule"),
+    ("coherence[voter] > 0.75 for 1.5", 29, "'1.5'"),
+    ("coherence[voter] > 0.75 for 0", 29, "'0'"),
+    ("coherence[voter] > 3x median(1)", 30, "'1'"),
+    ("coherence[voter] > 3x median 5", 30, "'5'"),
+    ("coherence[voter] > 3x medium(5)", 23, "'medium'"),
+    ("coherence[voter] > 1 : explode", 24, "'explode'"),
+    ("coherence[voter] > 1 for 2 for 3", 28, "'for'"),
+    ("coherence[voter] > 1 2", 22, "'2'"),
+    ("coherence > 1", 1, "'coherence' needs a role"),
+    ("acc_drop[voter] > 1", 1, "'acc_drop' takes no selector"),
+    ("nonfinite > 3", 11, "'>'"),
+    ("coherence[voter] ~ 3", 18, "'~'"),
+])
+def test_bad_rules_point_at_the_token(text, column, token):
+    with pytest.raises(ConfigError) as err:
+        parse_rule(text)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"at column {column}, {token}" in message, message
+
+
+def test_rules_from_yaml(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("alerts:\n  - coherence[voter] > 0.75 for 10\n  - {rule: 'acc_drop > 0.2: stop', name: cliff}\n")
+    rules = load_rules(good)
+    assert [r.statistic for r in rules] == ["coherence", "acc_drop"]
+    assert rules[1].name == "cliff" and rules[1].actions == ("record", "stop")
+    cases = {"bad.yaml": ("- a: [1\n", "not valid YAML (line 2"),
+             "dict.yaml": ("rule: x\n", "expected a list of rules"),
+             "entry.yaml": ("- acc_drop > 0.1\n- acc_drop >> 0.1\n", "entry 2: bad alert rule"),
+             "shape.yaml": ("- {rule: acc_drop > 1, when: now}\n", "entry 1 must be a rule string")}
+    for name, (text, expected) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace("[", r"\[")):
+            load_rules(tmp_path / name)
+    with pytest.raises(ConfigError, match="cannot read alert file"):
+        load_rules(tmp_path / "missing.yaml")
+
+
+def test_default_rules_cover_the_three_pathologies():
+    names = {r.name: r for r in DEFAULT_RULES}
+    assert {"amplification", "capture", "cliff", "cliff-early", "nonfinite"} == set(names)
+    assert all(set(r.actions) == {"warn", "record"} for r in DEFAULT_RULES)
+
+
+# ---------------------------------------------------------------- the engine
+def reference_firings(values, threshold, persist, cooldown):
+    """Definition, written plainly: fire when the last `persist` observations all exceed the
+    threshold and the rule is armed; re-arm after `cooldown` consecutive observations below."""
+    fired, armed, below = [], True, 0
+    for t in range(len(values)):
+        if values[t] > threshold:
+            below = 0
+        else:
+            below += 1
+            if below >= cooldown:
+                armed = True
+        run = t + 1 >= persist and all(v > threshold for v in values[t + 1 - persist:t + 1])
+        if armed and run:
+            fired.append(t)
+            armed = False
+    return fired
+
+
+def test_engine_matches_the_definition_on_random_streams():
+    rng = random.Random(0)
+    n_fired = 0
+    for _ in range(300):
+        persist, cooldown = rng.randint(1, 6), rng.randint(1, 6)
+        # two-state chain so conditions come in episodes of varied lengths
+        values, on = [], False
+        for _ in range(80):
+            on = (rng.random() < 0.8) == on
+            values.append(rng.uniform(0.8, 1.0) if on else rng.uniform(0.0, 0.7))
+        engine = AlertEngine([parse_rule(f"coherence[voter] > 0.75 for {persist} cooldown {cooldown}")])
+        got = [t for t, v in enumerate(values) if engine.observe(t, {"coherence[voter]": v})]
+        assert got == reference_firings(values, 0.75, persist, cooldown)
+        n_fired += len(got)
+    assert n_fired > 300  # the streams do exercise firing and re-arming
+
+
+def test_engine_fires_once_per_episode_at_the_right_step():
+    engine = AlertEngine([parse_rule("share[*] > 0.7 for 10")])
+    stream = [0.5] * 20 + [0.9] * 30 + [0.5] * 5 + [0.9] * 12 + [0.5] * 10 + [0.9] * 10
+    fired = [(t, a.key, a.since) for t, v in enumerate(stream, 1)
+             for a in engine.observe(t, {"share[voter]": v, "share[aggregator]": 1 - v})]
+    # episode 1 from step 21 fires at 30; the 5-step dip (< cooldown 10) does not re-arm; after a
+    # 10-step quiet spell the episode from step 78 fires at 87
+    assert fired == [(30, "share[voter]", 21), (87, "share[voter]", 78)]
+
+
+def test_aggregate_threshold_and_missing_values():
+    rule = parse_rule("grad_norm[evaluator] > 3x median(50)")
+    engine = AlertEngine([rule])
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.9, 1.1, 40)
+    fired = []
+    for t, v in enumerate(base):
+        assert not engine.observe(t, {"grad_norm[evaluator]": v})
+        engine.observe(t, {"grad_norm[other]": 100.0})  # other names never reach this rule
+        engine.observe(t, {"grad_norm[evaluator]": float("nan")})  # NaN: not observed
+    fired = engine.observe(40, {"grad_norm[evaluator]": 3.5})
+    assert len(fired) == 1
+    assert fired[0].reference == pytest.approx(3 * np.median(base))
+    # too little history: a jump at the 3rd value cannot fire (needs min(N, 5) previous values)
+    engine = AlertEngine([rule])
+    assert min_history(rule) == 5
+    assert not any(engine.observe(t, {"grad_norm[evaluator]": v}) for t, v in enumerate([1, 1, 50, 1, 1]))
+    assert engine.observe(5, {"grad_norm[evaluator]": 50})
+
+
+def test_nonfinite_rule():
+    engine = AlertEngine([parse_rule("nonfinite cooldown 1")])
+    got = [t for t, v in enumerate([0, 0, 1, 1, 0, 1]) if engine.observe(t, {"nonfinite": v})]
+    assert got == [2, 5]
+
+
+# ---------------------------------------------------------------- values = the analyses' statistics
+def synthetic_records(rng, n_steps):
+    """IP-like records: per step three voter-policy records and one aggregator record."""
+    grams, tokens, policies, steps = [], [], [], []
+    for step in range(1, n_steps + 1):
+        for policy, rows in (("voter", [0, 1, 2]), ("voter", [0, 1, 2]), ("aggregator", [3])):
+            G = np.zeros((4, 16))
+            G[rows] = rng.normal(size=(len(rows), 16)) + rng.normal(size=16)
+            grams.append(G @ G.T)
+            t = np.zeros(4, dtype=np.int64)
+            t[rows] = rng.integers(5, 50, len(rows))
+            tokens.append(t)
+            policies.append(policy)
+            steps.append(step)
+    return np.array(grams), np.array(tokens), np.array(policies), np.array(steps)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_step_values_equal_the_analyses(shared):
+    rng = np.random.default_rng(1)
+    gram, tokens, policies, steps = synthetic_records(rng, 12)
+    if shared:
+        policies[:] = "shared"
+        gram = gram + 0.1 * np.eye(4)  # every role present in every record
+    series = RunSeries(AGENTS, ROLES, gram, steps, policies, tokens)
+    sv = StepValues(AGENTS, ROLES)
+    for i, step in enumerate(series.steps):
+        m = steps == step
+        v = sv.records(gram[m], tokens[m], list(policies[m]))
+        for j, role in enumerate(series.roles):
+            assert v[f"grad_norm[{role}]"] == pytest.approx(series.role_norm[i, j], rel=1e-12)
+        assert v["coherence[voter]"] == pytest.approx(series.coherence[i, 0], rel=1e-12)
+        assert v["amplification[voter]"] == pytest.approx(series.amplification[i, 0], rel=1e-12)
+        assert "coherence[aggregator]" not in v  # one agent: no coherence
+        if shared:
+            st = series.set_stats("shared")
+            for j, role in enumerate(st["roles"]):
+                assert v[f"share[{role}]"] == pytest.approx(st["share"][i, j], rel=1e-12)
+                assert v[f"per_token_share[{role}]"] == pytest.approx(st["per_token_share"][i, j], rel=1e-12)
+        else:
+            assert not any(k.startswith("share[") for k in v)  # no shared parameter set in IP
+
+
+def test_eval_values_smooth_like_the_cliff_detector():
+    sv = StepValues(AGENTS, ROLES)
+    accs = [0.5, 0.6, 0.3, 0.6, 0.4, 0.3, 0.2]
+    drops = [sv.evals({"accuracy": a})["acc_drop"] for a in accs]
+    # running median of the last 3: .5 .55 .5 .6 .4 .4 .3; running peak .5 .55 .55 .6 .6 .6 .6
+    assert drops == pytest.approx([0, 0, 0.05, 0, 0.2, 0.2, 0.3])
+    assert sv.evals({"accuracy": 0.2, "length/voter": 7.0})["eval.length[voter]"] == 7.0
+
+
+# ---------------------------------------------------------------- actions
+def test_monitor_actions_and_events(tmp_path):
+    meta = RunMeta(agents=AGENTS, agent_roles=ROLES, roles=["voter", "aggregator"], policies=["voter", "aggregator"])
+    lines, saved, stopped = [], [], []
+    rules = [parse_rule("coherence[voter] > 0.9 for 2: warn, checkpoint"), parse_rule("acc_drop > 0.1: stop"),
+             parse_rule("grad_norm[aggregator] > 5")]
+    with RunWriter(tmp_path / "r.h5", meta) as writer:
+        mon = Monitor(rules, AGENTS, ROLES, policies=["voter", "aggregator"], writer=writer,
+                      checkpoint=lambda a: saved.append(a.step) or f"ckpt{a.step}",
+                      stop=lambda a: stopped.append(a.step), echo=lines.append)
+        same = np.ones((4, 4))
+        same[3, :3] = same[:3, 3] = 0
+        for step in (1, 2, 3):
+            mon.step(step, same[None], np.ones((1, 4)), ["voter"])
+        mon.evals(3, {"accuracy": 0.5})
+        mon.evals(4, {"accuracy": 0.2})
+        mon.evals(5, {"accuracy": 0.2})
+        assert mon.stop_requested is not None and mon.stop_requested.step == 4  # median(.5, .2) = .35
+    assert saved == [2] and stopped == [4]
+    assert any("checkpoint saved to ckpt2" in line for line in lines)
+    events = open_run(tmp_path / "r.h5").events
+    assert events["kind"].tolist() == ["alert", "checkpoint", "alert"]
+    assert events["step"].tolist() == [2, 2, 4]
+    assert "coherence[voter] = 1 > 0.9" in events["message"][0]
+
+
+def test_monitor_rejects_unknown_selectors():
+    for text, expected in [("coherence[votr] > 1", "unknown role 'votr'"),
+                           ("agent_norm[voter] > 1", "unknown agent 'voter'"),
+                           ("update_norm[shared] > 1", "unknown policy 'shared'"),
+                           ("opt.loss[x] > 1", "unknown policy 'x'")]:
+        with pytest.raises(ConfigError, match=expected):
+            Monitor([parse_rule(text)], AGENTS, ROLES, policies=["voter", "aggregator"])
+
+
+# ---------------------------------------------------------------- gradscope watch, live
+WRITER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from gradscope.runfile import RunMeta, RunWriter
+    agents = ["voter0", "voter1", "voter2", "aggregator"]
+    meta = RunMeta(agents=agents, agent_roles=["voter"] * 3 + ["aggregator"], roles=["voter", "aggregator"])
+    rng = np.random.default_rng(0)
+    with RunWriter(sys.argv[1], meta, flush_every=2) as w:
+        w.log_eval(0, {"accuracy": 0.5})
+        for step in range(1, 41):
+            shared = 3.0 if step >= 20 else 0.0      # the voters align from step 20
+            G = rng.normal(size=(4, 32)) + shared * np.ones(32)
+            w.log_step(step, G @ G.T, np.full(4, 10))
+            w.log_metrics(step, {"update_norm/voter": 0.1})
+            if step % 10 == 0:
+                w.log_eval(step, {"accuracy": 0.5})
+            time.sleep(0.05)
+    print("writer done", flush=True)
+""")
+
+
+def test_watch_follows_a_live_writer(tmp_path):
+    run = tmp_path / "live.h5"
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    writer = subprocess.Popen([sys.executable, str(script), str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):  # wait for the file to exist
+            if run.exists():
+                break
+            time.sleep(0.05)
+        watch = subprocess.run([*GRADSCOPE, "watch", str(run), "--poll", "0.1", "--no-default-alerts",
+                                "--alert", "coherence[voter] > 0.9 for 5"],
+                               capture_output=True, text=True, timeout=120)
+        assert writer.wait(timeout=60) == 0
+    finally:
+        writer.kill()
+    assert watch.returncode == 0, watch.stderr
+    out = watch.stdout.splitlines()
+    alerts = [line for line in out if "alert at step" in line]
+    assert len(alerts) == 1 and "alert at step 24:" in alerts[0], out  # aligned from 20, for 5 → 24
+    assert out[-1].startswith(f"writer closed {run} (last step 40): 1 alerts")
+
+
+def test_watch_replays_a_finished_run_like_the_monitor(tmp_path):
+    """watch on a closed file fires on the same steps as a Monitor fed while writing."""
+    rng = np.random.default_rng(3)
+    gram, tokens, policies, steps = synthetic_records(rng, 30)
+    gram[steps >= 12] *= 50  # a norm jump
+    meta = RunMeta(agents=AGENTS, agent_roles=ROLES, roles=["voter", "aggregator"], policies=["voter", "aggregator"])
+    rules = [parse_rule("grad_norm[*] > 4x median(10)"), parse_rule("acc_drop > 0.05")]
+    live = Monitor(rules, AGENTS, ROLES, policies=["voter", "aggregator"], echo=lambda s: None)
+    with RunWriter(tmp_path / "r.h5", meta) as w:
+        for step in range(1, 31):
+            m = steps == step
+            for g, t, p in zip(gram[m], tokens[m], policies[m]):
+                w.log_step(step, g, t, policy=p)
+            live.step(step, gram[m], tokens[m], list(policies[m]))
+            if step % 5 == 0:
+                w.log_eval(step, {"accuracy": 0.5 - 0.02 * step})
+                live.evals(step, {"accuracy": 0.5 - 0.02 * step})
+    from gradscope.alerts.watch import watch
+    replay = watch(str(tmp_path / "r.h5"), rules, poll=0.01, echo=lambda s: None)
+    assert [(a.step, a.key) for a in replay] == [(a.step, a.key) for a in live.fired]
+    assert (12, "grad_norm[voter]") in [(a.step, a.key) for a in replay]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--alert", "coherence[voter] >> 1"], "at column 19"),
+    (["--alerts", "missing.yaml"], "cannot read alert file"),
+    (["--alert", "coherence[votr] > 1"], "unknown role 'votr'"),
+    (["--poll", "0"], "--poll must be > 0"),
+])
+def test_watch_bad_input_is_one_line_exit_2(tmp_path, args, expected):
+    run = tmp_path / "r.h5"
+    with RunWriter(run, RunMeta(agents=AGENTS, agent_roles=ROLES, roles=["voter", "aggregator"])) as w:
+        w.log_step(1, np.eye(4), np.ones(4))
+    proc = subprocess.run([*GRADSCOPE, "watch", str(run), *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
+    missing = subprocess.run([*GRADSCOPE, "watch", str(tmp_path / "nope.h5")], capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1

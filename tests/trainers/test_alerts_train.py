@@ -1,0 +1,113 @@
+"""Alerts inside ``gradscope train``: stop, checkpoint, non-finite gradients, bad rules."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradscope.runfile import open_run
+from trainers.train import Trainer
+
+from .test_train import GRADSCOPE, small
+
+
+def test_stop_ends_a_real_run_cleanly(tmp_path):
+    out = tmp_path / "run.h5"
+    proc = subprocess.run([*GRADSCOPE, "train", "--steps", "6", "--tasks-per-step", "2", "--group-size", "4",
+                           "--n-held-out", "4", "--eval-every", "0", "--checkpoint-every", "0", "--out", str(out),
+                           "--alert", "train/accuracy >= 0 for 2: stop"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped after step 2 by alert" in proc.stdout
+    with open_run(out) as run:
+        assert run.closed
+        assert sorted(set(run.step)) == [1, 2]
+        events = run.events
+        assert events["kind"].iloc[-1] == "stop" and events["step"].iloc[-1] == 2
+        assert "train/accuracy" in events["message"][events["kind"] == "alert"].iloc[0]
+    assert (Path(str(out) + ".ckpt") / "latest" / "state.pt").is_file()  # resumable from the stop
+    analyze = subprocess.run([*GRADSCOPE, "analyze", str(out)], capture_output=True, text=True, timeout=120)
+    assert analyze.returncode == 0, analyze.stderr
+
+
+def test_checkpoint_action_writes_loadable_adapters(tmp_path):
+    from peft import PeftModel
+
+    from trainers.testbed.warmstart import warm_started_model
+
+    cfg = small(tmp_path, steps=2, alert=["grad_norm[voter] > 0 cooldown 100: checkpoint"], default_alerts=False)
+    trainer = Trainer(cfg, echo=lambda line: None)
+    at_step: dict[int, dict[str, torch.Tensor]] = {}
+    trainer.run(on_step=lambda step, _: at_step.setdefault(step, {
+        n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".lora_" in n}))
+    folder = Path(cfg.out + ".ckpt") / "step1" / "adapters"
+    loaded = PeftModel.from_pretrained(warm_started_model(), folder / "voter", adapter_name="voter")
+    compared = 0
+    for name, p in loaded.named_parameters():
+        if ".lora_B.voter." in name:
+            assert torch.equal(p, at_step[1][name]) and not torch.equal(p, at_step[2][name])
+            compared += 1
+    assert compared > 0
+    with open_run(cfg.out) as run:
+        ev = run.events
+        assert ev["kind"].tolist() == ["alert", "checkpoint"] and ev["step"].tolist() == [1, 1]
+
+
+def test_nonfinite_fires_on_an_injected_nan_gradient(tmp_path):
+    cfg = small(tmp_path, steps=4, eval_every=0, alert=["nonfinite: stop"])
+    lines: list[str] = []
+    trainer = Trainer(cfg, echo=lines.append)
+    poisoned = {"on": False}
+
+    def poison(module, args, output):  # NaN into the backward pass only: sampling stays finite
+        if poisoned["on"] and output.requires_grad:
+            output.register_hook(lambda g: g * float("nan"))
+
+    layer = trainer.model.base_model.model.model.layers[0].mlp
+    layer.register_forward_hook(poison)
+    update = trainer.updater.update
+
+    def update_with_nan(step, *args):
+        poisoned["on"] = step == 2
+        try:
+            return update(step, *args)
+        finally:
+            poisoned["on"] = False
+
+    trainer.updater.update = update_with_nan
+    trainer.run()
+    assert trainer.stopped_by is not None and trainer.stopped_after == 2
+    assert trainer.stopped_by.rule.statistic == "nonfinite"
+    with open_run(cfg.out) as run:
+        assert run.closed
+        finite = np.isfinite(run.gram).all(axis=(1, 2))
+        assert finite[run.step == 1].all() and not finite[run.step == 2].any()
+        kinds = run.events["kind"].tolist()
+        assert kinds[-1] == "stop" and "alert" in kinds
+    assert any("non-finite" in line for line in lines)
+    # the optimizer skipped the NaN step: the adapters are still finite
+    assert all(torch.isfinite(p).all() for n, p in trainer.model.named_parameters() if ".lora_" in n)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--alert", "coherence[voter] >> 0.75"], "at column 19, '>'"),
+    (["--alert", "coherence[votr] > 0.75"], "unknown role 'votr'"),
+    (["--alert", "update_norm[voter] > 1", "--policy", "sp"], "unknown policy 'voter'"),
+    (["--alerts", "BAD"], "not valid YAML"),
+    (["--alerts", "MISSING"], "cannot read alert file"),
+])
+def test_bad_rules_exit_2_before_training(tmp_path, args, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- acc_drop > 0.1\n- [unclosed\n")
+    args = [str(bad) if a == "BAD" else str(tmp_path / "missing.yaml") if a == "MISSING" else a for a in args]
+    proc = subprocess.run([*GRADSCOPE, "train", *args, "--out", str(tmp_path / "run.h5")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gradscope: error:") and message in lines[0], proc.stderr
+    assert not (tmp_path / "run.h5").exists()
