@@ -19,21 +19,37 @@ from gradscope.peft_support import adapter_parameters
 
 
 def save_checkpoint(folder: Path, step: int, model, updater, trainer, name: str = "latest") -> Path:
-    """Save after training step ``step`` as ``folder/name``; returns that folder."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp, final = folder / "tmp", folder / name
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "adapters", selected_adapters=list(model.peft_config))
-    torch.save({
-        "step": step,
-        "adapters": {n: p.detach().cpu() for ps in adapter_parameters(model).values() for n, p in ps},
-        "optimizers": {a: opt.state_dict() for a, opt in updater.optimizers.items()},
+    """Save after training step ``step`` as ``folder/name``; returns that folder.
+
+    Under torchrun every rank must call it (its random generators are gathered); rank 0 writes.
+    """
+    dist = trainer.dist
+    rng = dist.gather({
         "updater_rng": updater.rng.getstate(),
         "task_rng": trainer.task_rng.getstate(),
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
+    })
+    final = folder / name
+    if dist.is_main:
+        _write(folder, final, step, model, updater, rng)
+    dist.barrier()
+    return final
+
+
+def _write(folder: Path, final: Path, step: int, model, updater, rng: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "adapters", selected_adapters=list(model.peft_config))
+    torch.save({
+        "step": step,
+        "adapters": {n: p.detach().cpu() for ps in adapter_parameters(model).values() for n, p in ps},
+        "optimizers": {a: opt.state_dict() for a, opt in updater.optimizers.items()},
+        "world_size": len(rng),
+        "rng": rng,  # one entry per rank
     }, tmp / "state.pt")
     old = folder / "old"
     shutil.rmtree(old, ignore_errors=True)
@@ -41,7 +57,6 @@ def save_checkpoint(folder: Path, step: int, model, updater, trainer, name: str 
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def load_checkpoint(folder: Path, model, updater, trainer) -> int:
@@ -56,13 +71,17 @@ def load_checkpoint(folder: Path, model, updater, trainer) -> int:
     with torch.no_grad():
         for name, value in state["adapters"].items():
             params[name].copy_(value)
+    if state.get("world_size") != trainer.dist.world:
+        raise ConfigError(f"--resume: checkpoint {path} was made by {state.get('world_size')} processes, "
+                          f"this run has {trainer.dist.world}; resume with the same world size")
     for adapter, opt in updater.optimizers.items():
         opt.load_state_dict(state["optimizers"][adapter])
-    updater.rng.setstate(state["updater_rng"])
-    trainer.task_rng.setstate(state["task_rng"])
-    torch.set_rng_state(state["torch_rng"])
-    if state.get("cuda_rng") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    np.random.set_state(state["numpy_rng"])
-    random.setstate(state["python_rng"])
+    rng = state["rng"][trainer.dist.rank]
+    updater.rng.setstate(rng["updater_rng"])
+    trainer.task_rng.setstate(rng["task_rng"])
+    torch.set_rng_state(rng["torch_rng"])
+    if rng.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda_rng"])
+    np.random.set_state(rng["numpy_rng"])
+    random.setstate(rng["python_rng"])
     return int(state["step"])

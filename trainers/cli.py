@@ -1,6 +1,7 @@
 """``gradscope train``: flags → TrainConfig → Trainer, with a progress bar."""
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -9,6 +10,7 @@ from tqdm import tqdm
 
 from gradscope.cli import ArgumentParser
 from trainers.config import add_arguments, from_arguments
+from trainers.distributed import world_size_from_env
 from trainers.train import Trainer
 
 
@@ -17,7 +19,7 @@ def run_with_progress(trainer: Trainer) -> Path:
     cfg = trainer.cfg
     last_acc: list[float] = []
     with tqdm(total=cfg.steps, desc=f"{cfg.workflow}/{cfg.task}/{cfg.policy}", unit="step",
-              dynamic_ncols=True) as bar:
+              dynamic_ncols=True, disable=not trainer.dist.is_main) as bar:
         def progress(step: int, metrics: dict[str, float]) -> None:
             if "eval_accuracy" in metrics:
                 last_acc[:] = [metrics["eval_accuracy"]]
@@ -32,10 +34,20 @@ def train_main(argv: Sequence[str]) -> int:
     parser = ArgumentParser(prog="gradscope train",
                             description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
     add_arguments(parser)
-    trainer = Trainer(from_arguments(parser.parse_args(list(argv))), verbose=True,
-                      echo=lambda line: tqdm.write(line, file=sys.stderr))
-    out = run_with_progress(trainer)
-    if trainer.stopped_by is not None:
-        print(f"gradscope: stopped after step {trainer.stopped_after} by alert: {trainer.stopped_by.message}")
-    print(f"wrote {out}")
+    cfg = from_arguments(parser.parse_args(list(argv)))
+    if world_size_from_env() > 1:  # torchrun tears a job down with SIGTERM: close the run file cleanly
+        signal.signal(signal.SIGTERM, _interrupt)
+    trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))
+    try:
+        out = run_with_progress(trainer)
+    finally:
+        trainer.dist.close()
+    if trainer.dist.is_main:
+        if trainer.stopped_by is not None:
+            print(f"gradscope: stopped after step {trainer.stopped_after} by alert: {trainer.stopped_by.message}")
+        print(f"wrote {out}")
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -41,6 +41,7 @@ class TrainConfig:
     alert: list = flag([], "alert rule 'RULE[: warn,record,checkpoint,stop]', repeatable (docs/alerts.md)")
     alerts: str | None = flag(None, "YAML file of alert rules")
     default_alerts: bool = flag(True, "the built-in alert rules (warn + record); --no-default-alerts: off")
+    dist_timeout: float = flag(300.0, "under torchrun: seconds a collective may wait for a silent rank")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def resolved(self) -> "TrainConfig":

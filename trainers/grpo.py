@@ -16,6 +16,7 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 
 from gradscope.peft_support import use_adapter
 from gradscope.probe import Probe, StepResult
+from trainers.distributed import Dist
 from trainers.flags import flag
 from trainers.policy import PolicyMap
 from trainers.rollout import pack, token_logprobs
@@ -88,8 +90,8 @@ class GRPOUpdater:
     """Holds one AdamW per adapter (over that adapter's parameters, built explicitly) and the probe."""
 
     def __init__(self, model, tokenizer, policy: PolicyMap, probe: Probe, adapter_params: dict[str, list],
-                 cfg: GRPOConfig, seed: int) -> None:
-        self.model, self.policy, self.probe, self.cfg = model, policy, probe, cfg
+                 cfg: GRPOConfig, seed: int, dist: Dist = Dist()) -> None:
+        self.model, self.policy, self.probe, self.cfg, self.dist = model, policy, probe, cfg, dist
         self.pad_id = tokenizer.pad_token_id
         self.params = adapter_params
         self.optimizers = {a: torch.optim.AdamW(self.params[a], lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -118,9 +120,8 @@ class GRPOUpdater:
                 self.rng.shuffle(batch)
             before = torch.cat([p.detach().reshape(-1) for p in self.params[adapter]]).clone()
             n_steps = 0
-            for start in range(0, len(batch), mini_batch_size):
-                logged_step = self._optimizer_step(step, adapter, batch[start:start + mini_batch_size],
-                                                   probe_this_step)
+            for chunk in self._mini_batches(batch, mini_batch_size):
+                logged_step = self._optimizer_step(step, adapter, chunk, probe_this_step)
                 n_steps += 1
                 if logged_step is not None:
                     logged.append(logged_step)
@@ -130,6 +131,15 @@ class GRPOUpdater:
             metrics[f"update_norm/{adapter}"] = delta
             metrics[f"update_rel/{adapter}"] = delta / max(float(before.norm()), 1e-12)
         return logged, metrics
+
+    def _mini_batches(self, batch: list[TrainSample], size: int) -> list[list[TrainSample]]:
+        """ceil(global samples / size) mini-batches of near-equal size. Under data parallelism every
+        rank takes the same number of optimizer steps (each a collective), each with its
+        near-equal share of its local samples (possibly none)."""
+        n_global = int(self.dist.sum([len(batch)])[0])
+        n = -(-n_global // size)
+        cuts = np.linspace(0, len(batch), n + 1).round().astype(int)
+        return [batch[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
     @torch.no_grad()
     def _old_logprobs(self, by_adapter: dict[str, list[TrainSample]]) -> None:
@@ -153,6 +163,42 @@ class GRPOUpdater:
 
     def _optimizer_step(self, step: int, adapter: str, batch: Sequence[TrainSample],
                         probe_this_step: bool) -> OptimizerStep | None:
+        """One AdamW step on ``batch``; the loss is normalised by the mini-batch's token count over
+        all ranks, and gradients are summed over ranks before clipping."""
+        cfg, dist = self.cfg, self.dist
+        optimizer = self.optimizers[adapter]
+        optimizer.zero_grad(set_to_none=True)
+        n_local = sum(len(s.turn.sample.completion_ids) for s in batch)
+        n_tokens = int(dist.sum([n_local])[0])
+        totals = np.zeros(3)  # loss, clipped tokens, kl over this rank's tokens
+        result = None
+        with self.probe.step(step, policy=adapter) if probe_this_step else nullcontext() as probed:
+            if batch:
+                token_loss, totals = self._token_loss(adapter, batch, n_tokens)
+                if probed is not None:
+                    probed.backward_tokens(token_loss[0], token_loss[1])
+                else:
+                    token_loss[0].sum().backward()
+        if probed is not None:
+            result = probed.result
+        dist.sum_grads(self.params[adapter])
+        grad_norm = _clip(self.params[adapter], cfg.grad_clip)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:  # a NaN/inf gradient would poison the adapter and AdamW's moments: skip, keep the record
+            optimizer.zero_grad(set_to_none=True)
+        if result is None:
+            return None
+        loss, clipped, kl = dist.sum(totals)
+        return OptimizerStep(adapter, result, {
+            "loss": loss, "clip_frac": clipped / max(n_tokens, 1), "grad_norm": grad_norm,
+            "lr": optimizer.param_groups[0]["lr"], "samples": int(dist.sum([len(batch)])[0]),
+            "tokens": n_tokens, "kl": kl / max(n_tokens, 1)})
+
+    def _token_loss(self, adapter: str, batch: Sequence[TrainSample], n_tokens: int
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], np.ndarray]:
+        """((B, T) per-token loss already divided by the global ``n_tokens``, (B, T) agent ids with
+        -1 off the completions), and this rank's (loss, clipped tokens, KL) sums."""
         cfg = self.cfg
         ids, attn, comp = pack([s.turn.sample for s in batch], self.pad_id, self.model.device)
         mask = comp.bool()
@@ -161,41 +207,21 @@ class GRPOUpdater:
         adv = torch.tensor([s.advantage for s in batch], device=ids.device)[:, None]
         agent_ids = torch.tensor([s.agent for s in batch], device=ids.device)[:, None].expand_as(comp).clone()
         agent_ids[~mask] = -1
-        n_tokens = int(mask.sum())
-        optimizer = self.optimizers[adapter]
-        optimizer.zero_grad(set_to_none=True)
         with use_adapter(self.model, adapter):
             lp = token_logprobs(self.model, ids, attn, cfg.temperature)
         ratio = torch.exp(lp - old)
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-        surrogate = torch.minimum(ratio * adv, clipped * adv)
-        token_loss = -surrogate
-        kl_value = 0.0
+        token_loss = -torch.minimum(ratio * adv, clipped * adv)
+        kl_sum = 0.0
         if cfg.kl_coef > 0:
             ref = torch.zeros_like(old)
             ref[mask] = torch.cat([s.ref_logprobs for s in batch])
             kl = torch.exp(ref - lp) - (ref - lp) - 1  # k3 estimator, ≥ 0
             token_loss = token_loss + cfg.kl_coef * kl
-            kl_value = float((kl * mask).sum() / max(n_tokens, 1))
+            kl_sum = float((kl * mask).sum())
         token_loss = token_loss * mask / max(n_tokens, 1)
-        result = None
-        if probe_this_step:
-            with self.probe.step(step, policy=adapter) as probed:
-                probed.backward_tokens(token_loss, agent_ids)
-            result = probed.result
-        else:
-            token_loss.sum().backward()
-        grad_norm = _clip(self.params[adapter], cfg.grad_clip)
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        else:  # a NaN/inf gradient would poison the adapter and AdamW's moments: skip, keep the record
-            optimizer.zero_grad(set_to_none=True)
-        if result is None:
-            return None
-        clip_frac = float((((ratio - clipped).abs() > 0) & mask).sum() / max(n_tokens, 1))
-        return OptimizerStep(adapter, result, {
-            "loss": float(token_loss.detach().sum()), "clip_frac": clip_frac, "grad_norm": grad_norm,
-            "lr": optimizer.param_groups[0]["lr"], "samples": len(batch), "tokens": n_tokens, "kl": kl_value})
+        n_clipped = float((((ratio - clipped).abs() > 0) & mask).sum())
+        return (token_loss, agent_ids), np.array([float(token_loss.detach().sum()), n_clipped, kl_sum])
 
 
 def _clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:

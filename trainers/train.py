@@ -26,6 +26,7 @@ from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter
 from trainers.checkpoint import load_checkpoint, save_checkpoint
 from trainers.config import TrainConfig
+from trainers.distributed import Dist, NullWriter, world_size_from_env
 from trainers.grpo import STEP_SCALARS, GRPOUpdater
 from trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
 from trainers.policy import parse_policy
@@ -55,6 +56,9 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    world = world_size_from_env()
+    if cfg.tasks_per_step % world:
+        raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
     check_model_path(cfg.model)
     out = Path(cfg.out)
     if cfg.resume and not out.exists():
@@ -85,12 +89,16 @@ class Trainer:
         self.stopped_by: Alert | None = None  # the alert whose ``stop`` ended the run
         self.stopped_after = 0                 # ... after this training step
         self.cfg = cfg = cfg.resolved()
-        self.verbose = verbose
+        self.dist = dist = Dist.from_env(cfg.dist_timeout)  # a rendezvous: every rank has validated
+        self.verbose = verbose and dist.is_main
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
-        base, tok, style = load_base(cfg.model, cfg.seed, verbose=verbose)
+        with dist.main_first():  # rank 0 builds the testbed's warm-start cache, the others load it
+            base, tok, style = load_base(cfg.model, cfg.seed, verbose=self.verbose)
         self.policy = parse_policy(cfg.policy, list(dict.fromkeys(workflow_cls.agent_roles.values())))
         self.model = attach_adapters(base, self.policy.adapters, LoraSpec(cfg.lora_rank, cfg.lora_alpha), cfg.seed)
+        if dist.rank:  # identical adapters everywhere, different rollouts on each rank
+            torch.manual_seed(cfg.seed + 7919 * dist.rank)
         templates = Templates(style, tok)
         self.workflow = workflow_cls(templates, solver_answer, **(
             {"max_evals": cfg.max_evals} if cfg.workflow == "eval-opt" else {}))
@@ -98,7 +106,7 @@ class Trainer:
         named = [(n, p) for ps in adapter_parameters(self.model).values() for n, p in ps]
         self.probe = Probe(self.model, list(self.workflow.agents), self.workflow.agent_roles, params=named,
                            groups="adapter" if cfg.probe == "gram,groups" else None)
-        self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed)
+        self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed, dist)
         self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.grpo.temperature)
         self.scorer = Scorer()
@@ -111,18 +119,21 @@ class Trainer:
                        roles=self.workflow.roles, policies=self.policy.adapters,
                        groups=self.probe.groups if per_group else [],
                        group_sizes=self.probe.group_sizes if per_group else [],
-                       config=json.loads(json.dumps(dataclasses.asdict(self.cfg))),
+                       config={**json.loads(json.dumps(dataclasses.asdict(self.cfg))), "world_size": self.dist.world},
                        seed=self.cfg.seed, probe_method=self.probe.method_name, scalar_names=STEP_SCALARS)
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:
         """Train to ``cfg.steps``, or until an alert's ``stop`` (then :attr:`stopped_by` is set, the
         step in progress is finished, checkpointed, and the last event is ``stop``)."""
-        cfg, out = self.cfg, Path(self.cfg.out)
+        cfg, out, dist = self.cfg, Path(self.cfg.out), self.dist
         ckpt_dir = out.with_name(out.name + ".ckpt")
         start = 1
         if cfg.resume:
             start = load_checkpoint(ckpt_dir, self.model, self.updater, self) + 1
+        if not dist.is_main:
+            writer = NullWriter()
+        elif cfg.resume:
             writer = RunWriter.resume(out, keep_below_step=start)
         else:
             writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
@@ -133,8 +144,9 @@ class Trainer:
                 writer.log_eval(0, evals)
                 monitor.evals(0, evals)
             for step in range(start, cfg.steps + 1):
-                if monitor.stop_requested:  # fired by the base evaluation: train nothing
-                    self._stop(writer, step - 1, monitor.stop_requested)
+                stop, _ = self._requests(monitor)
+                if stop:  # fired by the base evaluation: train nothing
+                    self._stop(writer, step - 1, stop)
                     break
                 metrics = self.train_step(step, writer, monitor)
                 if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
@@ -142,7 +154,9 @@ class Trainer:
                     writer.log_eval(step, evals)
                     monitor.evals(step, evals)
                     metrics["eval_accuracy"] = evals["accuracy"]
-                stop = monitor.stop_requested
+                stop, checkpoint = self._requests(monitor)
+                if checkpoint:
+                    save_checkpoint(ckpt_dir, step, self.model, self.updater, self, name=f"step{step}")
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
                     save_checkpoint(ckpt_dir, step, self.model, self.updater, self)
                 if on_step is not None:
@@ -152,19 +166,28 @@ class Trainer:
                     break
         return out
 
+    def _requests(self, monitor: Monitor) -> tuple[Alert | None, bool]:
+        """(the alert asking to stop, whether one asked for a checkpoint) — rank 0's, on every rank."""
+        stop, checkpoint = self.dist.broadcast((monitor.stop_requested, self._checkpoint_requested))
+        self._checkpoint_requested = False
+        return stop, checkpoint
+
     def _stop(self, writer: RunWriter, step: int, alert: Alert) -> None:
         self.stopped_by, self.stopped_after = alert, step
         writer.log_event(step, "stop", f"stopped after step {step} by [{alert.rule.label}]", severity="warning")
 
     def _monitor(self, writer: RunWriter, ckpt_dir: Path) -> Monitor:
-        """Alert rules on this run: every alert is recorded in the run file; ``checkpoint`` saves the
-        adapters now to ``<run>.ckpt/step<N>/`` (loadable with peft, and by ``--resume`` as well)."""
-        def checkpoint(alert: Alert) -> str:
-            return str(save_checkpoint(ckpt_dir, alert.step, self.model, self.updater, self,
-                                       name=f"step{alert.step}"))
+        """Alert rules on this run (rank 0 only): every alert is recorded in the run file;
+        ``checkpoint`` saves the adapters at the end of the step to ``<run>.ckpt/step<N>/``
+        (loadable with peft, and by ``--resume``)."""
+        self._checkpoint_requested = False
 
-        return Monitor(self.rules, list(self.workflow.agents),
-                       [self.workflow.agent_roles[a] for a in self.workflow.agents],
+        def checkpoint(alert: Alert) -> str:
+            self._checkpoint_requested = True
+            return str(ckpt_dir / f"step{alert.step}")
+
+        wf = self.workflow
+        return Monitor(self.rules if self.dist.is_main else [], list(wf.agents), [wf.agent_roles[a] for a in wf.agents],
                        policies=self.policy.adapters, writer=writer, checkpoint=checkpoint,
                        stop=lambda alert: None, **({"echo": self.echo} if self.echo else {}))
 
@@ -172,7 +195,8 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         batch = self.task_rng.sample(self.tasks.train, min(cfg.tasks_per_step, len(self.tasks.train)))
-        episodes = self.workflow.run([t for t in batch for _ in range(cfg.grpo.group_size)], self.sampler)
+        mine = self.dist.shard(batch)  # whole GRPO groups stay on one rank
+        episodes = self.workflow.run([t for t in mine for _ in range(cfg.grpo.group_size)], self.sampler)
         self.scorer.score(episodes)
         t1 = time.perf_counter()
         probed = (step - 1) % cfg.probe_every == 0 and cfg.probe != "none"
@@ -180,7 +204,7 @@ class Trainer:
         for o in logged:
             writer.log_step(step, o.result.gram, o.result.tokens, policy=o.policy, scalars=o.scalars,
                             group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None)
-        metrics.update(_episode_metrics(episodes, prefix="train/"))
+        metrics.update(_episode_metrics(self._everyone(episodes), prefix="train/"))
         metrics["time/rollout"], metrics["time/update"] = t1 - t0, time.perf_counter() - t1
         writer.log_metrics(step, metrics)
         if monitor is not None:
@@ -194,10 +218,14 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy and the per-role text signature, sampled with a fixed seed."""
         with torch.random.fork_rng():  # evaluation must not move training's RNG streams (CUDA too)
-            torch.manual_seed(self.cfg.seed + 1_000_003)
-            episodes = self.workflow.run(self.tasks.held_out, self.sampler)
+            torch.manual_seed(self.cfg.seed + 1_000_003 + self.dist.rank)
+            episodes = self.workflow.run(self.dist.shard(self.tasks.held_out), self.sampler)
         self.scorer.score(episodes)
-        return _episode_metrics(episodes, prefix="")
+        return _episode_metrics(self._everyone(episodes), prefix="")
+
+    def _everyone(self, episodes: list[Episode]) -> list[Episode]:
+        """Every rank's episodes (rank order), for metrics over the whole step or held-out set."""
+        return [ep for part in self.dist.gather(episodes) for ep in part] if self.dist.active else episodes
 
 
 def _episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
