@@ -1,4 +1,5 @@
 """Per-agent gradient probes: the Gram matrix of a step's per-agent gradients."""
 from gradscope.probe.probe import METHODS, Probe, ProbeStep, StepResult
+from gradscope.probe.sketch import Sketch
 
-__all__ = ["METHODS", "Probe", "ProbeStep", "StepResult"]
+__all__ = ["METHODS", "Probe", "ProbeStep", "Sketch", "StepResult"]

@@ -30,10 +30,16 @@ touched (K × U × d; the ghost form would cost N²·d).
 Calls that cannot be attributed by rows fall back to the split method (one backward per agent) for
 that call: ``backward({agent: loss})``, a row holding tokens of two agents, or forwards whose rows do
 not add up to ``token_loss``'s rows. Both kinds of per-agent gradient add into the same dense state.
+
+**With a store** (sketch mode, or the exact Gram of several ranks) nothing is kept per weight: each
+call's per-agent contributions ``G_kᵀA_k`` are formed a block of output rows at a time (at most
+:data:`~gradscope.probe.store.CHUNK` values for all agents together) and handed to the store at once;
+embedding token rows go straight to the store's coordinates. No ghost form: it yields Gram entries,
+not vectors that a sketch or another rank could add to.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -44,7 +50,8 @@ import torch.nn.functional as F
 
 from gradscope.errors import ProbeError
 from gradscope.probe.method import GramMethod, token_terms
-from gradscope.probe.split import SplitMethod
+from gradscope.probe.split import backward_per_agent
+from gradscope.probe.store import CHUNK, Store, squared_norms
 
 #: A full weight uses the ghost form while N·(d_in + d_out) < GHOST_FACTOR · d_in·d_out.
 GHOST_FACTOR = 1.0
@@ -140,8 +147,8 @@ class HooksMethod(GramMethod):
     name = "hooks"
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
-                 n_agents: int, *, model: nn.Module | None = None) -> None:
-        super().__init__(params, group_index, n_groups, n_agents)
+                 n_agents: int, *, model: nn.Module | None = None, store: Store | None = None) -> None:
+        super().__init__(params, group_index, n_groups, n_agents, store=store)
         if model is None:
             raise ProbeError("the hooks method needs the model, to hook its layers; pass it or use method='split'")
         self.layers, uncovered = find_layers(model, self.params)
@@ -157,7 +164,7 @@ class HooksMethod(GramMethod):
         self._missed = False
         self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients
         self._grad0: list[torch.Tensor | None] = []
-        self._fallback: SplitMethod | None = None
+        self.fallback_calls = 0  # calls that went through split, since construction
 
     # ------------------------------------------------------------------ hooks
     def _on_model_call(self, module: nn.Module, args: tuple) -> None:
@@ -189,13 +196,13 @@ class HooksMethod(GramMethod):
             if piece.layer.embedding:
                 self._embedding_rows(piece.layer, forward, x, grad)
             else:
-                self._linear(piece.layer, forward, x, grad)
+                A = x.reshape(forward.rows, -1, x.shape[-1]).to(self.dtype)
+                G = grad.reshape(forward.rows, -1, grad.shape[-1]).to(self.dtype)
+                (self._linear if self.store is None else self._linear_to_store)(piece.layer, forward, A, G)
 
     # ------------------------------------------------------------------ per-agent contributions
-    def _linear(self, layer: _Layer, fwd: _Forward, x: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add one call's ``G_bᵀ A_b`` (x: (rows, ..., d_in), grad: (rows, ..., d_out)) by row agent."""
-        A = x.reshape(fwd.rows, -1, x.shape[-1]).to(self.dtype)
-        G = grad.reshape(fwd.rows, -1, grad.shape[-1]).to(self.dtype)
+    def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor) -> None:
+        """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent."""
         if layer.bias is not None:
             self._add_by_row(layer.bias, G.sum(1), fwd)
         if layer.weight is None:
@@ -217,6 +224,24 @@ class HooksMethod(GramMethod):
             for k, rows in fwd.by_agent.items():
                 D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
 
+    def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor) -> None:
+        """Hand the store one call's per-agent ``G_kᵀ A_k`` (A: (rows, T, d_in), G: (rows, T, d_out)),
+        a block of output rows at a time so that no (K, d_out, d_in) tensor is formed."""
+        agents = list(fwd.by_agent)
+        if not agents:
+            return
+        A_k = [A[fwd.by_agent[k]].flatten(0, 1) for k in agents]
+        G_k = [G[fwd.by_agent[k]].flatten(0, 1) for k in agents]
+        if layer.bias is not None:
+            self.store.add(layer.bias, agents, torch.stack([g.sum(0) for g in G_k]))
+        if layer.weight is None:
+            return
+        d_out, d_in = self.params[layer.weight].shape
+        step = max(1, CHUNK // (len(agents) * d_in))
+        for r0 in range(0, d_out, step):
+            block = torch.stack([g[:, r0:r0 + step].T @ a for g, a in zip(G_k, A_k)])
+            self.store.add(layer.weight, agents, block.flatten(1), r0 * d_in)
+
     def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> None:
         """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape)."""
         D = self._dense_of(i)
@@ -227,12 +252,20 @@ class HooksMethod(GramMethod):
         D.view(self.n_agents, -1).index_add_(0, fwd.kept, per_row if len(fwd.keep) == fwd.rows else per_row[fwd.keep])
 
     def _embedding_rows(self, layer: _Layer, fwd: _Forward, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """Keep the token rows (ids, G, agent) of the rows with an agent; padding_idx gets no gradient."""
+        """The token rows (ids, G, agent) of the rows with an agent, kept for ``end`` or, with a store,
+        added to it at once; padding_idx gets no gradient."""
         ids = ids.reshape(fwd.rows, -1)[fwd.keep]
         G = grad.reshape(fwd.rows, ids.shape[1], -1)[fwd.keep].to(self.dtype)
         agents = fwd.kept[:, None].expand_as(ids)
         use = ids != (-1 if layer.module.padding_idx is None else layer.module.padding_idx)
-        layer.rows.append((ids[use], G[use], agents[use]))
+        ids, G, agents = ids[use], G[use], agents[use]
+        if self.store is None:
+            layer.rows.append((ids, G, agents))
+            return
+        d = G.shape[1]
+        coords = ids[:, None] * d + torch.arange(d, device=ids.device)
+        self.store.scatter(layer.weight, agents[:, None].expand_as(coords).reshape(-1), coords.reshape(-1),
+                           G.reshape(-1))
 
     def _dense_of(self, i: int) -> torch.Tensor:
         if i not in self._dense:
@@ -258,23 +291,21 @@ class HooksMethod(GramMethod):
     # ------------------------------------------------------------------ the GramMethod protocol
     def begin(self) -> None:
         self._reset()
+        if self.store is not None:
+            self.store.zero()
         self._grad0 = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
 
     def backward(self, terms: Sequence[tuple[int, torch.Tensor]], retain_graph: bool) -> None:
         """No row information: this call goes through split (one backward per term)."""
-        if self._fallback is None:
-            self._fallback = SplitMethod(self.params, self.group_index, self.n_groups, self.n_agents)
-        split = self._fallback
-        split.begin()  # sets .grad aside; abort() puts it back plus this call's gradient
+        self.fallback_calls += 1
+        sink = self.store.add_grad if self.store is not None else self._add_agent_grad
         try:
-            split.backward(terms, retain_graph)
+            backward_per_agent(self.params, terms, retain_graph, sink)
         finally:
             self._forwards.clear()
-            for i in range(len(self.params)):
-                grads = split.agent_grads(i)
-                if grads is not None:
-                    self._dense_of(i).add_(grads)
-            split.abort()
+
+    def _add_agent_grad(self, i: int, agent: int, grad: torch.Tensor) -> None:
+        self._dense_of(i)[agent].add_(grad)
 
     def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, agents: Sequence[int],
                         retain_graph: bool) -> None:
@@ -300,8 +331,27 @@ class HooksMethod(GramMethod):
                              "previous backward (in call order); use method='split' for this loop")
 
     def end(self) -> np.ndarray:
-        """Per-group Grams: ``D Dᵀ`` per dense parameter (in the accumulation dtype, summed in float64),
-        plus the ghost / touched-rows Grams of the layers still holding token rows."""
+        """Per-group Grams: the store's, or ``D Dᵀ`` per dense parameter (in the accumulation dtype, summed in
+        float64) plus the ghost / touched-rows Grams of the layers still holding token rows."""
+        try:
+            if self.store is None:
+                grams = self._local_grams()
+                total, diag = grams.sum((1, 2)), np.diagonal(grams, axis1=1, axis2=2)
+                delta_sq = squared_norms(self._deltas(), self.group_index, self.n_groups)
+            else:  # check this rank's contributions before the store sums the ranks'
+                total, diag = self.store.sums()
+                delta_sq = self.store.norms_sq(self._deltas())
+            bad = self._check(total, diag, delta_sq)
+            if self.store is not None:
+                grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
+        finally:
+            self._reset()
+        if bad:
+            raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
+                             "gradient; a probed weight is used outside its layer's forward. Use method='split'")
+        return grams
+
+    def _local_grams(self) -> np.ndarray:
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def add(i: int, gram: torch.Tensor) -> None:
@@ -323,10 +373,6 @@ class HooksMethod(GramMethod):
             add(i, (flat @ flat.T).double())
         grams = sum((g.cpu() for g in per_device.values()),
                     torch.zeros(self.n_groups, self.n_agents, self.n_agents, dtype=torch.float64))
-        try:
-            self._check(grams)
-        finally:
-            self._reset()
         return grams.numpy()
 
     def abort(self) -> None:
@@ -343,32 +389,33 @@ class HooksMethod(GramMethod):
         for layer in self.layers:
             layer.rows, layer.n_rows = [], 0
 
-    def _check(self, grams: torch.Tensor) -> None:
-        """The Gram must add up to the gradient: ``Σ_kl M^g_kl = ‖Δ.grad_g‖²`` for every group.
+    def _deltas(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(i, Δ.grad)`` of every parameter with a gradient: what this step added to ``.grad``."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                g0 = self._grad0[i]
+                yield i, p.grad.detach() if g0 is None else p.grad.detach().double() - g0.double()
+
+    def _check(self, total: np.ndarray, diag: np.ndarray, delta_sq: np.ndarray) -> list[int]:
+        """The groups whose Gram does not add up to the gradient: ``Σ_kl M^g_kl`` (total, (G,)) must equal
+        ``‖Δ.grad_g‖²`` (delta_sq, through the store's map), to rounding scaled by ``M^g_kk`` (diag, (G, K)).
 
         Catches a probed weight that is also used outside its module's forward (hooks cannot see that).
         """
-        if not torch.isfinite(grams).all():
-            return
-        delta_sq = torch.zeros(self.n_groups, dtype=torch.float64)
-        before_sq = torch.zeros(self.n_groups, dtype=torch.float64)
+        if not (np.isfinite(total).all() and np.isfinite(diag).all()):
+            return []
+        before_sq = np.zeros(self.n_groups)
         eps = 0.0
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            g, g0 = p.grad.detach().double(), self._grad0[i]
-            if g0 is not None:
-                g = g - g0.double()
-                before_sq[self.group_index[i]] += float(g0.double().square().sum())
-            delta_sq[self.group_index[i]] += float(g.square().sum())
+            if self._grad0[i] is not None:
+                before_sq[self.group_index[i]] += float(self._grad0[i].double().square().sum())
             eps = max(eps, torch.finfo(p.grad.dtype).eps)
         tol = {torch.finfo(torch.float64).eps: 1e-8, torch.finfo(torch.float32).eps: 1e-4}.get(eps, 3e-2)
-        scale = torch.diagonal(grams, dim1=1, dim2=2).clamp(min=0).sqrt().sum(1).square()
-        allowed = tol * scale + 10 * eps * before_sq.sqrt() * scale.sqrt() + 1e-30
-        bad = ((grams.sum((1, 2)) - delta_sq).abs() > allowed).nonzero().flatten().tolist()
-        if bad:
-            raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
-                             "gradient; a probed weight is used outside its layer's forward. Use method='split'")
+        scale = np.square(np.sqrt(np.clip(diag, 0, None)).sum(1))
+        allowed = tol * scale + 10 * eps * np.sqrt(before_sq * scale) + 1e-30
+        return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
 
 
 def _row_agents(agent_ids: torch.Tensor) -> torch.Tensor | None:

@@ -3,6 +3,8 @@
 A :class:`GramMethod` sees one probed step at a time: ``begin``, any number of ``backward`` /
 ``backward_tokens`` calls (one per micro-batch), then ``end`` (or ``abort`` on error). After ``end``
 every parameter's ``.grad`` must be what an unprobed step would have left, to fp32 rounding.
+With a :class:`~gradscope.probe.store.Store` (sketch mode, data parallelism), ``end`` returns
+``store.grams()``: the per-agent contributions must have gone into the store.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+
+from gradscope.probe.store import Store
 
 
 def token_terms(token_loss: torch.Tensor, agent_ids: torch.Tensor,
@@ -28,16 +32,19 @@ class GramMethod(ABC):
         group_index: ``group_index[i]`` is the group of ``params[i]``; groups are ``0..n_groups-1``.
         n_agents: K.
         model: the module the parameters belong to (methods that hook layers need it), or None.
+        store: where to put materialised per-agent contributions, and so how the Gram is formed and
+            whether ranks are summed; None: the method's exact single-process default.
     """
 
     name: str = ""
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
-                 n_agents: int, *, model: nn.Module | None = None) -> None:
+                 n_agents: int, *, model: nn.Module | None = None, store: Store | None = None) -> None:
         self.params = list(params)
         self.group_index = list(group_index)
         self.n_groups = n_groups
         self.n_agents = n_agents
+        self.store = store
 
     @abstractmethod
     def begin(self) -> None:

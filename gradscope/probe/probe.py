@@ -12,6 +12,10 @@ A training loop declares its agents and their roles once, then wraps each optimi
     optimizer.step()                              # .grad is exactly what loss.backward() leaves
 
 Each loss term must be normalised exactly as inside the full loss, so that ``Σ_k g_k = g``.
+
+Under torchrun (torch.distributed initialised with several ranks) the Gram is that of the global
+per-agent gradients, summed over ranks: see docs/distributed.md. ``sketch=k`` measures it through a
+k-dimensional random projection per parameter group (docs/probe.md, "Sketch mode").
 """
 from __future__ import annotations
 
@@ -21,14 +25,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from gradscope.errors import ProbeError
 from gradscope.peft_support import adapter_parameters
+from gradscope.probe.distributed import all_reduce_sum_, check_same_setup, resolve_group, world_size
 from gradscope.probe.groups import GroupSpec, assign_groups
 from gradscope.probe.hooks import HooksMethod, find_layers
 from gradscope.probe.method import GramMethod
+from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
+from gradscope.probe.store import FlatStore, Store
 
 #: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
 METHODS: dict[str, type[GramMethod]] = {"split": SplitMethod, "hooks": HooksMethod}
@@ -76,11 +84,21 @@ class Probe:
             belong to an ``nn.Linear`` / ``nn.Embedding`` of ``model``), ``"split"`` (one backward
             per agent, any model), or ``"auto"``: hooks where it covers every probed parameter, else
             split. ``method_name`` holds the one chosen.
+        sketch: None (exact), or k / :class:`Sketch` (k, seed): measure the Gram of a seeded k-bucket
+            CountSketch of each agent's gradient per group; memory K·k per group instead of K·P.
+        process_group: whose gradients make up the step's: None (default) sums over all ranks when
+            torch.distributed is initialised with more than one, a process group sums over its ranks,
+            False keeps this rank's gradients only. Fixed at construction (``world_size``), and every
+            rank of the group must build the probe alike and probe the same steps (collectives).
+
+    ``measurement`` describes how the Gram is measured (e.g. ``"hooks+sketch(k=256,seed=0)+ranks(2)"``),
+    for the run file's ``probe_method``.
     """
 
     def __init__(self, model: nn.Module | None, agents: Sequence[str], roles: Mapping[str, str], *,
-                 params: ParamsLike | None = None, groups: GroupSpec = None,
-                 method: str = "auto") -> None:
+                 params: ParamsLike | None = None, groups: GroupSpec = None, method: str = "auto",
+                 sketch: int | Sketch | None = None,
+                 process_group: dist.ProcessGroup | bool | None = None) -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
         missing = [a for a in agents if a not in roles]
@@ -88,6 +106,11 @@ class Probe:
             raise ProbeError(f"no role given for agents {missing}")
         if method != "auto" and method not in METHODS:
             raise ProbeError(f"unknown probe method {method!r}; available: {sorted(METHODS) + ['auto']}")
+        if not (sketch is None or isinstance(sketch, (int, Sketch))) or isinstance(sketch, bool):
+            raise ProbeError(f"sketch must be None, a bucket count k or a Sketch(k, seed), got {sketch!r}")
+        self.sketch = as_sketch(sketch)
+        self.process_group = resolve_group(process_group)
+        self.world_size = world_size(self.process_group)
         self.agents = list(agents)
         self.agent_roles = [roles[a] for a in self.agents]
         self.roles = list(dict.fromkeys(self.agent_roles))
@@ -100,11 +123,33 @@ class Probe:
         for (_, p), g in zip(named, group_index):
             self.group_sizes[g] += p.numel()
         self.method_name = _choose_method(method, model, named)
-        self._method = METHODS[self.method_name]([p for _, p in named], group_index, len(self.groups),
-                                                 len(agents), model=model)
+        params_only = [p for _, p in named]
+        if self.process_group is not None:
+            check_same_setup(self.process_group, {
+                "agents": self.agents, "parameter names": self.param_names, "groups": self.groups,
+                "parameter sizes": [str(p.shape) for p in params_only], "method": self.method_name,
+                "sketch": str(self.sketch)})
+        store: Store | None = None
+        if self.sketch is not None:
+            store = SketchStore(params_only, self.param_names, group_index, len(self.groups), len(agents),
+                                self.sketch, self.process_group)
+        elif self.process_group is not None:
+            store = FlatStore(params_only, group_index, len(self.groups), len(agents), self.process_group)
+        self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
+                                                 model=model, store=store)
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
         self.last: StepResult | None = None
+
+    @property
+    def measurement(self) -> str:
+        """How the Gram is measured: the method, ``+sketch(k=..,seed=..)``, ``+ranks(N)`` when summed over N ranks."""
+        parts = [self.method_name]
+        if self.sketch is not None:
+            parts.append(str(self.sketch))
+        if self.process_group is not None:
+            parts.append(f"ranks({self.world_size})")
+        return "+".join(parts)
 
     @contextmanager
     def step(self, step: int, policy: str | None = None) -> Iterator["ProbeStep"]:
@@ -121,6 +166,8 @@ class Probe:
             raise
         else:
             grams = self._method.end()
+            if self.process_group is not None:
+                handle.tokens = all_reduce_sum_(torch.from_numpy(handle.tokens), self.process_group).numpy()
             handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens)
         finally:
             self._open = False

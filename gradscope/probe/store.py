@@ -1,0 +1,172 @@
+"""Where a step's per-agent gradient contributions go when they are materialised.
+
+A :class:`Store` holds, for every parameter group g, a linear image ``c_k^g = T_g(g_k^g)`` of each
+agent's gradient: the gradient itself (:class:`FlatStore`, exact) or a random projection of it
+(:class:`gradscope.probe.sketch.SketchStore`). Linearity is what makes data parallelism work: the
+image of the global gradient ``Σ_ranks g_k^(rank)`` is the sum of the ranks' images, so the ranks
+all-reduce their stores (sum) and the Gram ``M^g = C_g C_gᵀ`` is that of the global gradients.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gradscope.errors import ProbeError
+from gradscope.probe.distributed import all_reduce_sum_
+
+#: Coordinates per chunk of work: bounds temporary copies at K × 2^22 values.
+CHUNK = 1 << 22
+
+
+def accumulation_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
+    """float64 for fp64 models, else float32 (16-bit gradients are accumulated in fp32)."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+
+
+def squared_norms(grads: Iterable[tuple[int, torch.Tensor]], group_index: Sequence[int], n_groups: int) -> np.ndarray:
+    """(G,) ``Σ ‖grad‖²`` per group of ``(parameter index, gradient)`` pairs, in float64."""
+    out = np.zeros(n_groups)
+    for i, grad in grads:
+        out[group_index[i]] += float(grad.double().square().sum())
+    return out
+
+
+def single_device(params: Sequence[nn.Parameter]) -> torch.device:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ProbeError(f"materialising per-agent gradients needs all probed parameters on one device, got {devices}")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+class Store(ABC):
+    """Per-agent, per-group linear images of a step's gradient contributions.
+
+    Args:
+        params: the probed parameters; ``i`` below indexes this list.
+        group_index: ``group_index[i]`` is the group of ``params[i]``, in ``0..n_groups-1``.
+        n_agents: K.
+        group: the process group whose ranks' stores are summed before the Gram, or None (local).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
+                 n_agents: int, group: dist.ProcessGroup | None = None) -> None:
+        self.params = list(params)
+        self.group_index = list(group_index)
+        self.n_groups = n_groups
+        self.n_agents = n_agents
+        self.group = group
+        self.device = single_device(self.params)
+        self.dtype = accumulation_dtype(self.params)
+
+    @abstractmethod
+    def zero(self) -> None:
+        """Start a step: every contribution 0."""
+
+    @abstractmethod
+    def add(self, i: int, agents: Sequence[int], values: torch.Tensor, start: int = 0) -> None:
+        """Add ``values`` (len(agents), m) to coordinates ``[start, start + m)`` of ``params[i]``'s flattened
+        gradient, row r for agent ``agents[r]``."""
+
+    @abstractmethod
+    def scatter(self, i: int, agents: torch.Tensor, coords: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values[n]`` to coordinate ``coords[n]`` of ``params[i]``'s flattened gradient for agent
+        ``agents[n]``; all three (N,), coordinates may repeat."""
+
+    @abstractmethod
+    def blocks(self, g: int) -> Iterator[torch.Tensor]:
+        """Group g's (K, m) column blocks of C_g (the local contributions; all-reduced after :meth:`grams`)."""
+
+    @abstractmethod
+    def norms_sq(self, grads: Iterable[tuple[int, torch.Tensor]]) -> np.ndarray:
+        """(G,) ``‖T_g(v)‖²`` for the vector v made of the ``(i, gradient of params[i])`` pairs (others 0)."""
+
+    @abstractmethod
+    def _buffers(self) -> list[torch.Tensor]:
+        """The tensors that hold the contributions (summed over ranks in :meth:`grams`)."""
+
+    def add_grad(self, i: int, agent: int, grad: torch.Tensor) -> None:
+        """Add one agent's whole gradient of ``params[i]``."""
+        self.add(i, [agent], grad.reshape(1, -1))
+
+    def sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """Local ``(Σ_kl M^g_kl, M^g_kk)`` per group, (G,) and (G, K), without the Gram's K² cost."""
+        total = np.zeros(self.n_groups)
+        diag = np.zeros((self.n_groups, self.n_agents))
+        for g in range(self.n_groups):
+            column_sum = []
+            for block in self.blocks(g):
+                block = block.double()
+                diag[g] += block.square().sum(1).cpu().numpy()
+                column_sum.append(block.sum(0))
+            total[g] = sum(float(s @ s) for s in column_sum)
+        return total, diag
+
+    def grams(self) -> np.ndarray:
+        """``M^g = C_g C_gᵀ`` (G, K, K) float64, after summing the stores of every rank of ``group``."""
+        if self.group is not None:
+            for buffer in self._buffers():
+                all_reduce_sum_(buffer, self.group)
+        grams = np.zeros((self.n_groups, self.n_agents, self.n_agents))
+        for g in range(self.n_groups):
+            for block in self.blocks(g):
+                block = block.double()
+                grams[g] += (block @ block.T).cpu().numpy()
+        return grams
+
+
+class FlatStore(Store):
+    """Exact: a (K, P) buffer (P = probed parameter values) laid out group by group."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
+                 n_agents: int, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(params, group_index, n_groups, n_agents, group)
+        # Lay parameters out by group so that each group's contributions are one column slice.
+        order = sorted(range(len(self.params)), key=lambda i: (self.group_index[i], i))
+        self.offsets: list[int] = [0] * len(self.params)
+        self.group_slices: list[slice] = []
+        pos = 0
+        for g in range(n_groups):
+            start = pos
+            for i in order:
+                if self.group_index[i] == g:
+                    self.offsets[i] = pos
+                    pos += self.params[i].numel()
+            self.group_slices.append(slice(start, pos))
+        self.size = pos
+        self.buffer: torch.Tensor | None = None
+
+    def zero(self) -> None:
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.n_agents, self.size, dtype=self.dtype, device=self.device)
+        else:
+            self.buffer.zero_()
+
+    def view(self, i: int) -> torch.Tensor:
+        """``params[i]``'s per-agent gradients, a (K, *shape) view of the buffer."""
+        start = self.offsets[i]
+        return self.buffer[:, start:start + self.params[i].numel()].view(self.n_agents, *self.params[i].shape)
+
+    def add(self, i: int, agents: Sequence[int], values: torch.Tensor, start: int = 0) -> None:
+        lo = self.offsets[i] + start
+        for r, k in enumerate(agents):
+            self.buffer[k, lo:lo + values.shape[1]] += values[r]
+
+    def scatter(self, i: int, agents: torch.Tensor, coords: torch.Tensor, values: torch.Tensor) -> None:
+        index = agents * self.size + self.offsets[i] + coords
+        self.buffer.view(-1).index_add_(0, index, values.to(self.dtype))
+
+    def blocks(self, g: int) -> Iterator[torch.Tensor]:
+        sl = self.group_slices[g]
+        for start in range(sl.start, sl.stop, CHUNK):
+            yield self.buffer[:, start:min(start + CHUNK, sl.stop)]
+
+    def norms_sq(self, grads: Iterable[tuple[int, torch.Tensor]]) -> np.ndarray:
+        return squared_norms(grads, self.group_index, self.n_groups)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.buffer]

@@ -1,0 +1,61 @@
+"""The two-rank side of test_distributed.py; run with ``python -m torch.distributed.run --nproc_per_node=2``.
+
+Usage: ``dist_child.py OUT_DIR``. Each rank takes half of the 8-row global batch (rank 0 rows 0-3 in
+one micro-batch: voters only, so under IP it never touches the aggregator's adapter; rank 1 rows 4-7
+in two), normalises its loss by the all-reduced token count, probes the step, then sums ``.grad``
+over the ranks as a trainer would. Writes ``OUT_DIR/rank<r>.npz``: every case's Gram, group Grams,
+tokens, summed gradient and measurement; and whether a probe built differently per rank was refused.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradscope.errors import ProbeError
+from gradscope.probe import Probe
+from tests.gradscope.dist_cases import CASES, case_name, run_case
+from tests.gradscope.test_probe import AGENTS, ROLES, make_mlp
+
+ROWS = {0: [[0, 1, 2, 3]], 1: [[4, 5], [6, 7]]}
+
+
+def global_count(n: int) -> int:
+    t = torch.tensor([n])
+    dist.all_reduce(t)
+    return int(t)
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    out: dict[str, np.ndarray] = {}
+    for case in CASES:
+        probe, result, grad = run_case(case, ROWS[rank], global_count)
+        dist.all_reduce(grad)  # the trainer's job: sum .grad over the ranks after the probed step
+        name = case_name(case)
+        out.update({f"{name}/{key}": value for key, value in result.items()})
+        out[f"{name}/grad"] = grad.numpy()
+        out[f"{name}/measurement"] = np.array(probe.measurement)
+        out[f"{name}/fallbacks"] = np.array(getattr(probe._method, "fallback_calls", 0))
+    # An explicit process group gives the same as the default one.
+    group = dist.new_group([0, 1])
+    _, result, _ = run_case(CASES[0], ROWS[rank], global_count, process_group=group)
+    out["explicit-group/gram"] = result["gram"]
+    # Ranks that disagree on the agents are refused, on every rank, at construction.
+    try:
+        Probe(make_mlp(), AGENTS if rank == 0 else AGENTS[:3], ROLES)
+        out["mismatch"] = np.array("")
+    except ProbeError as e:
+        out["mismatch"] = np.array(str(e))
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

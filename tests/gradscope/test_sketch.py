@@ -1,0 +1,244 @@
+"""Sketch mode: the hash, the documented error bounds across many seeds, memory O(k), and the methods.
+
+Bounds under test (docs/probe.md, "Sketch mode"), k buckets per cell:
+* ``Var M̂_kl ≤ (M_kk M_ll + M_kl²) / k`` and ``E M̂_kl = M_kl``;
+* norms: ``P(|‖ĝ‖/‖g‖ - 1| > t) ≤ 2 / (k t²)``;
+* cosines, to first order: ``sd(ĉ - c) ≤ (1 + 1.83 |c|) / √k``.
+Seeds are fixed, so the test is deterministic; the thresholds (Chebyshev at 3 standard deviations,
+a 4-sigma confidence interval for the mean) are ones that a correct sketch passes for any seed set
+with high probability, and that a biased or too-noisy one fails.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from gradscope.errors import ProbeError
+from gradscope.probe import Probe
+from gradscope.probe.hooks import HooksMethod
+from gradscope.probe.sketch import PRIME, Sketch, SketchStore, hash_coefficients, signed_buckets
+from gradscope.probe.store import FlatStore
+from tests.gradscope.test_hooks import LMCase, grads, lora_model, run
+from tests.gradscope.test_probe import AGENTS, ROLES, rel_err
+
+K_SKETCH = 64
+SEEDS = 1000
+
+
+def test_hash_matches_exact_integer_arithmetic():
+    """The int64 Horner scheme must equal the polynomial computed with Python's unbounded integers."""
+    coeffs = hash_coefficients(3, "layer.weight")
+    coords = torch.tensor([0, 1, 2, 12345, PRIME - 2, PRIME - 3, 1 << 30], dtype=torch.int64)
+    got = signed_buckets(coeffs, coords.clone(), 100)
+    c3, c2, c1, c0 = coeffs
+    want = [((c3 * j ** 3 + c2 * j ** 2 + c1 * j + c0) % PRIME) % 200 for j in coords.tolist()]
+    assert got.tolist() == want
+    assert hash_coefficients(3, "layer.weight") != hash_coefficients(4, "layer.weight")
+    assert hash_coefficients(3, "layer.weight") != hash_coefficients(3, "layer.bias")
+
+
+def _agent_vectors() -> list[torch.Tensor]:
+    """K=4 agents' gradients over three parameters (3,000 values): cosines from about 0.9 to -0.4,
+    norms differing 10x, and one agent with a few large coordinates."""
+    g = torch.Generator().manual_seed(0)
+    shared, other = torch.randn(3000, generator=g, dtype=torch.float64), torch.randn(3000, generator=g, dtype=torch.float64)
+    spiky = torch.randn(3000, generator=g, dtype=torch.float64) * 0.3
+    spiky[::300] += 8.0
+    vectors = [shared + 0.3 * torch.randn(3000, generator=g, dtype=torch.float64),
+               10 * (shared + 0.5 * other),
+               -0.5 * shared + other,
+               spiky]
+    return vectors
+
+
+def _sketched_grams(vectors: list[torch.Tensor], seeds: range) -> np.ndarray:
+    """(seeds, K, K) sketched Grams of the agents' vectors, split into three parameters."""
+    shapes = [(20, 50), (1000,), (40, 25)]
+    params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    names = ["a.weight", "a.bias", "b.weight"]
+    parts = [torch.stack(v.split([p.numel() for p in params])) for v in vectors]  # per agent: chunks
+    out = []
+    for seed in seeds:
+        store = SketchStore(params, names, [0, 0, 0], 1, len(vectors), Sketch(K_SKETCH, seed))
+        store.zero()
+        for i, p in enumerate(params):
+            store.add(i, range(len(vectors)), torch.stack([part[i] for part in parts]))
+        out.append(store.grams()[0])
+    return np.stack(out)
+
+
+def test_errors_within_the_documented_bounds_across_seeds():
+    vectors = _agent_vectors()
+    V = torch.stack(vectors)
+    M = (V @ V.T).numpy()
+    est = _sketched_grams(vectors, range(SEEDS))
+    err = est - M
+    d = np.diag(M)
+    var_bound = (np.outer(d, d) + M ** 2) / K_SKETCH
+    iu = np.triu_indices(len(M))
+    z = err[:, iu[0], iu[1]] / np.sqrt(var_bound[iu])
+    assert np.mean(np.abs(z) > 3) <= 1 / 9                      # Chebyshev at 3 sd, every entry pooled
+    assert np.all(np.mean(z ** 2, axis=0) <= 1.3)               # empirical variance within the bound
+    assert np.all(np.abs(z.mean(0)) <= 4 / np.sqrt(SEEDS))      # unbiased: mean within a 4-sigma interval
+
+    norm_err = np.sqrt(np.diagonal(est, axis1=1, axis2=2) / d) - 1
+    for c in (2, 3):  # P(|rel. error| > c·√(2/k)) ≤ 1/c²
+        assert np.mean(np.abs(norm_err) > c * np.sqrt(2 / K_SKETCH)) <= 1 / c ** 2
+
+    cos = M / np.sqrt(np.outer(d, d))
+    est_d = np.diagonal(est, axis1=1, axis2=2)
+    est_cos = est / np.sqrt(est_d[:, :, None] * est_d[:, None, :])
+    off = np.triu_indices(len(M), 1)
+    assert np.ptp(cos[off]) > 1.0  # the cases span strongly aligned to opposed pairs
+    sd_bound = (1 + 1.83 * np.abs(cos[off])) / np.sqrt(K_SKETCH)
+    cos_z = (est_cos[:, off[0], off[1]] - cos[off]) / sd_bound
+    assert np.mean(np.abs(cos_z) > 3) <= 1 / 9
+    assert np.all(np.sqrt(np.mean(cos_z ** 2, axis=0)) <= 1.1)  # the bound is tight at c = 0
+
+
+def test_a_probe_on_a_lora_model_is_within_the_bound_too():
+    """End to end (hooks, LoRA LM, SP): 40 seeds; every cosine within 4 bound-sd of the exact one."""
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+    exact, _ = run(model, "hooks", [call])
+    cos = exact.gram / np.sqrt(np.outer(np.diag(exact.gram), np.diag(exact.gram)))
+    bound = (1 + 1.83 * np.abs(cos)) / np.sqrt(K_SKETCH)
+    z = []
+    for seed in range(40):
+        model.zero_grad(set_to_none=True)
+        probe = Probe(model, AGENTS, ROLES, method="hooks", sketch=Sketch(K_SKETCH, seed))
+        with probe.step(0) as s:
+            s.backward_tokens(*call())
+        probe.close()
+        d = np.diag(s.result.gram)
+        z.append((s.result.gram / np.sqrt(np.outer(d, d)) - cos) / bound)
+    z = np.abs(np.stack(z))
+    assert z.max() < 4 and np.mean(z > 2) <= 1 / 4
+
+
+class _Largest(TorchDispatchMode):
+    """Records the largest storage (in elements) of any tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def _deep_mlp(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(width, width), nn.Tanh())])
+
+
+@pytest.mark.parametrize("method", ["split", "hooks"])
+def test_memory_per_agent_is_k_per_cell_and_no_k_by_p_buffer(method):
+    """The probe's state is (cells, K, k) whatever P; nothing of K×P size is allocated during the step
+    (6 layers: one layer's worth of K per-agent values is a sixth of it)."""
+    K = len(AGENTS)
+    states = []
+    for width in (32, 96):
+        model = _deep_mlp(width)
+        P = sum(p.numel() for p in model.parameters())
+        probe = Probe(model, AGENTS, ROLES, method=method, sketch=K_SKETCH, groups={"all": [""]})
+        x = torch.randn(16, width)
+        agent_ids = (torch.arange(16) % K)[:, None]
+        loss = model(x).square().mean(1, keepdim=True)
+        with _Largest() as seen, probe.step(0) as s:
+            s.backward_tokens(loss, agent_ids)
+        probe.close()
+        store = probe._method.store
+        assert isinstance(store, SketchStore) and store.state.shape == (1, K, K_SKETCH)
+        # Transients: one weight's gradient (split), or one weight's per-agent block (hooks), never K×P.
+        assert seen.largest <= K * width * width < K * P / 4
+        assert s.result.finite and s.result.gram[0, 0] > 0
+        states.append(store.state.numel())
+    assert states[0] == states[1]  # O(k) per agent: independent of P
+
+
+def test_split_and_hooks_sketch_alike_and_grad_is_unchanged():
+    """Same hash, same vectors: the two methods' sketched Grams agree; hooks leaves .grad bit for bit."""
+    model = lora_model("ip", torch.float32)
+    case = LMCase(model, "ip")
+    one, two = [case.call(list(range(8)))], [case.call([0, 1, 2]), case.call([3, 4, 5, 6, 7])]
+    model.zero_grad(set_to_none=True)
+    one[0]()[0].sum().backward()
+    plain = grads(model)
+    results = {}
+    for method, calls in (("split", one), ("hooks", two)):
+        model.zero_grad(set_to_none=True)
+        probe = Probe(model, AGENTS, ROLES, method=method, sketch=Sketch(32, seed=5), groups="layer")
+        with probe.step(0) as s:
+            for call in calls:
+                s.backward_tokens(*call())
+        probe.close()
+        results[method] = s.result
+        assert probe.measurement == f"{method}+sketch(k=32,seed=5)"
+        for name, g in grads(model).items():
+            if plain[name] is None:
+                assert g is None
+            elif method == "hooks" and len(calls) == 1:
+                assert torch.equal(g, plain[name])
+            else:
+                torch.testing.assert_close(g, plain[name], rtol=1e-5, atol=1e-7)
+    assert rel_err(results["hooks"].group_gram, results["split"].group_gram) < 1e-5
+    # One cell per group and adapter: voters and aggregator (different adapters) stay exactly orthogonal.
+    assert np.all(results["hooks"].gram[:3, 3] == 0)
+    assert abs(results["hooks"].gram[0, 1]) > 0
+
+
+def _leaky():
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)  # the second use is invisible to hooks
+    torch.manual_seed(0)
+    return Leaky()
+
+
+@pytest.mark.parametrize("store", ["sketch", "flat"])
+def test_add_up_check_with_a_store(store):
+    """The hooks method's add-up check works on the store's image of the gradient (sketch, or exact flat)."""
+    model = _leaky()
+    params = list(model.parameters())
+    made = (SketchStore(params, ["w", "b"], [0, 0], 1, 4, Sketch(16)) if store == "sketch"
+            else FlatStore(params, [0, 0], 1, 4))
+    method = HooksMethod(params, [0, 0], 1, 4, model=model, store=made)
+    x = torch.randn(4, 3, 4)
+    ids = torch.arange(4)[:, None].expand(4, 3)
+    method.begin()
+    method.backward_tokens(model(x).sum(-1), ids, [0, 1, 2, 3], False)
+    with pytest.raises(ProbeError, match="do not add up"):
+        method.end()
+    model.forward = lambda x: model.lin(x)  # the honest model passes
+    method.begin()
+    method.backward_tokens(model(x).sum(-1), ids, [0, 1, 2, 3], False)
+    assert method.end()[0, 0, 0] > 0
+    method.close()
+
+
+def test_bad_arguments():
+    model = _deep_mlp(4)
+    for bad in (0, -3, 2.5, "64", True):
+        with pytest.raises(ProbeError, match="sketch"):
+            Probe(model, AGENTS, ROLES, sketch=bad)
+    with pytest.raises(ProbeError, match="seed"):
+        Sketch(8, seed=-1)
+    with pytest.raises(ProbeError, match="process_group"):
+        Probe(model, AGENTS, ROLES, process_group="world")
+    probe = Probe(model, AGENTS, ROLES, process_group=False, sketch=8)
+    assert probe.world_size == 1 and probe.measurement == "hooks+sketch(k=8,seed=0)"
