@@ -225,22 +225,33 @@ class HooksMethod(GramMethod):
                 D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
 
     def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor) -> None:
-        """Hand the store one call's per-agent ``G_kᵀ A_k`` (A: (rows, T, d_in), G: (rows, T, d_out)),
-        a block of output rows at a time so that no (K, d_out, d_in) tensor is formed."""
+        """Hand the store one call's per-agent ``G_kᵀ A_k`` (A: (rows, T, d_in), G: (rows, T, d_out)).
+
+        Small (LoRA) weights: per-row products summed by agent, as in :meth:`_linear`. Others: a block
+        of output rows at a time, so that no (K, d_out, d_in) tensor is formed.
+        """
         agents = list(fwd.by_agent)
         if not agents:
             return
-        A_k = [A[fwd.by_agent[k]].flatten(0, 1) for k in agents]
-        G_k = [G[fwd.by_agent[k]].flatten(0, 1) for k in agents]
         if layer.bias is not None:
-            self.store.add(layer.bias, agents, torch.stack([g.sum(0) for g in G_k]))
+            self.store.add(layer.bias, agents, self._sum_by_agent(G.sum(1), fwd)[agents])
         if layer.weight is None:
             return
         d_out, d_in = self.params[layer.weight].shape
+        if fwd.rows * d_out * d_in <= PER_ROW_LIMIT and self.n_agents * d_out * d_in <= CHUNK:
+            self.store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
+            return
+        A_k = [A[fwd.by_agent[k]].flatten(0, 1) for k in agents]
+        G_k = [G[fwd.by_agent[k]].flatten(0, 1) for k in agents]
         step = max(1, CHUNK // (len(agents) * d_in))
         for r0 in range(0, d_out, step):
             block = torch.stack([g[:, r0:r0 + step].T @ a for g, a in zip(G_k, A_k)])
             self.store.add(layer.weight, agents, block.flatten(1), r0 * d_in)
+
+    def _sum_by_agent(self, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor:
+        """(K, m): row b of ``per_row`` (rows, ...) flattened and added to its agent's row."""
+        per_row = per_row.reshape(fwd.rows, -1)
+        return per_row.new_zeros(self.n_agents, per_row.shape[1]).index_add_(0, fwd.kept, per_row[fwd.keep])
 
     def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> None:
         """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape)."""

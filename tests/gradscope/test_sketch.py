@@ -139,29 +139,29 @@ class _Largest(TorchDispatchMode):
 
 def _deep_mlp(width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(width, width), nn.Tanh())])
+    return nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(width, width), nn.Tanh())])
 
 
 @pytest.mark.parametrize("method", ["split", "hooks"])
 def test_memory_per_agent_is_k_per_cell_and_no_k_by_p_buffer(method):
     """The probe's state is (cells, K, k) whatever P; nothing of K×P size is allocated during the step
-    (6 layers: one layer's worth of K per-agent values is a sixth of it)."""
+    (12 layers, 8 rows: one layer's worth of per-row or per-agent products is at most a twelfth of it)."""
     K = len(AGENTS)
     states = []
     for width in (32, 96):
         model = _deep_mlp(width)
         P = sum(p.numel() for p in model.parameters())
         probe = Probe(model, AGENTS, ROLES, method=method, sketch=K_SKETCH, groups={"all": [""]})
-        x = torch.randn(16, width)
-        agent_ids = (torch.arange(16) % K)[:, None]
+        x = torch.randn(8, width)
+        agent_ids = (torch.arange(8) % K)[:, None]
         loss = model(x).square().mean(1, keepdim=True)
         with _Largest() as seen, probe.step(0) as s:
             s.backward_tokens(loss, agent_ids)
         probe.close()
         store = probe._method.store
         assert isinstance(store, SketchStore) and store.state.shape == (1, K, K_SKETCH)
-        # Transients: one weight's gradient (split), or one weight's per-agent block (hooks), never K×P.
-        assert seen.largest <= K * width * width < K * P / 4
+        # Transients: one weight's gradient (split), one weight's per-row products (hooks), never K×P.
+        assert seen.largest <= 8 * width * width < K * P / 4
         assert s.result.finite and s.result.gram[0, 0] > 0
         states.append(store.state.numel())
     assert states[0] == states[1]  # O(k) per agent: independent of P
@@ -242,3 +242,35 @@ def test_bad_arguments():
         Probe(model, AGENTS, ROLES, process_group="world")
     probe = Probe(model, AGENTS, ROLES, process_group=False, sketch=8)
     assert probe.world_size == 1 and probe.measurement == "hooks+sketch(k=8,seed=0)"
+
+
+@pytest.mark.parametrize("store", ["sketch", "flat"])
+def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, monkeypatch):
+    """Large weights go to the store a block of output rows at a time, and the sketch hashes a chunk of
+    coordinates at a time; forcing tiny blocks and chunks must give the same Gram."""
+    from gradscope.probe import hooks as hooks_module
+    from gradscope.probe import sketch as sketch_module
+
+    model = _deep_mlp(32)
+    params = list(model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    x = torch.randn(8, 32, dtype=torch.float32)
+    agent_ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, -1])[:, None]
+
+    def gram(blocked: bool) -> np.ndarray:
+        if blocked:
+            monkeypatch.setattr(hooks_module, "PER_ROW_LIMIT", 0)
+            monkeypatch.setattr(hooks_module, "CHUNK", 100)   # one output row per block
+            monkeypatch.setattr(sketch_module, "CHUNK", 100)  # hashed 100 coordinates at a time
+        made = (SketchStore(params, names, [0] * len(params), 1, 4, Sketch(16, seed=2)) if store == "sketch"
+                else FlatStore(params, [0] * len(params), 1, 4))
+        method = HooksMethod(params, [0] * len(params), 1, 4, model=model, store=made)
+        model.zero_grad(set_to_none=True)
+        method.begin()
+        method.backward_tokens(model(x).square().mean(1, keepdim=True) * (agent_ids >= 0), agent_ids, [0, 1, 2, 3], False)
+        out = method.end()
+        method.close()
+        monkeypatch.undo()
+        return out
+
+    assert rel_err(gram(True), gram(False)) < 1e-6
