@@ -73,7 +73,7 @@ class Monitor:
              scalars: Sequence[Mapping[str, float]] | None = None) -> list[Alert]:
         """One training step's Gram records (N, K, K) with optional tokens (N, K), policy tags and
         per-record scalars (see :meth:`StepValues.records`)."""
-        if len(gram) == 0:
+        if len(gram) == 0 or not self.rules:
             return []
         return self.observe(step, self.values.records(gram, tokens, policies, scalars))
 
