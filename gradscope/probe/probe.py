@@ -51,9 +51,10 @@ class StepResult:
     Attributes:
         step: the training step the caller passed.
         policy: the policy (parameter set) this optimizer step updates, or None.
-        gram: (K, K) float64, ``M_kl = <g_k, g_l>`` over all probed parameters.
+        gram: (K, K) float64, ``M_kl = <g_k, g_l>`` over all probed parameters (of the gradients summed
+            over the ranks when distributed; estimated from sketches in sketch mode).
         group_gram: (G, K, K) float64, the same restricted to each parameter group (``Σ_g = gram``).
-        tokens: (K,) int64, tokens attributed to each agent during the step.
+        tokens: (K,) int64, tokens attributed to each agent during the step (summed over the ranks).
     """
 
     step: int
@@ -106,8 +107,6 @@ class Probe:
             raise ProbeError(f"no role given for agents {missing}")
         if method != "auto" and method not in METHODS:
             raise ProbeError(f"unknown probe method {method!r}; available: {sorted(METHODS) + ['auto']}")
-        if not (sketch is None or isinstance(sketch, (int, Sketch))) or isinstance(sketch, bool):
-            raise ProbeError(f"sketch must be None, a bucket count k or a Sketch(k, seed), got {sketch!r}")
         self.sketch = as_sketch(sketch)
         self.process_group = resolve_group(process_group)
         self.world_size = world_size(self.process_group)

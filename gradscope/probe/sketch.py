@@ -19,6 +19,7 @@ See docs/probe.md ("Sketch mode") for the derived bounds on norms and cosines.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,11 @@ class Sketch:
 
 def as_sketch(sketch: int | Sketch | None) -> Sketch | None:
     """``Probe(sketch=...)``: None, a bucket count k, or a :class:`Sketch`."""
-    return Sketch(sketch) if isinstance(sketch, int) and not isinstance(sketch, bool) else sketch
+    if sketch is None or isinstance(sketch, Sketch):
+        return sketch
+    if isinstance(sketch, numbers.Integral) and not isinstance(sketch, bool):
+        return Sketch(int(sketch))
+    raise ProbeError(f"sketch must be None, a bucket count k or a Sketch(k, seed), got {sketch!r}")
 
 
 def hash_coefficients(seed: int, name: str) -> tuple[int, int, int, int]:
