@@ -29,6 +29,8 @@ class TrainConfig:
     eval_every: int = flag(25, "evaluate every N steps (and at step 0 and the end; 0: only those)")
     probe: str = flag("gram", "gram | gram,groups (per-adapter Grams too) | none")
     probe_every: int = flag(1, "probe every Kth training step (all its optimizer steps)")
+    probe_sketch: int = flag(0, "sketch per-agent gradients to K numbers per parameter group (0: exact; "
+                                "for full fine-tuning, docs/distributed.md)")
     out: str = flag("run.h5", "run file to write")
     overwrite: bool = flag(False, "replace an existing run file")
     resume: bool = flag(False, "continue the run file --out from its last checkpoint")

@@ -56,6 +56,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.probe_sketch < 0:
+        raise ConfigError("--probe-sketch must be >= 0")
     world = world_size_from_env()
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
@@ -105,7 +107,8 @@ class Trainer:
         params = {a: [p for _, p in ps] for a, ps in adapter_parameters(self.model).items()}
         named = [(n, p) for ps in adapter_parameters(self.model).values() for n, p in ps]
         self.probe = Probe(self.model, list(self.workflow.agents), self.workflow.agent_roles, params=named,
-                           groups="adapter" if cfg.probe == "gram,groups" else None)
+                           groups="adapter" if cfg.probe == "gram,groups" else None,
+                           sketch=cfg.probe_sketch or None)  # after the process group: it sums over ranks
         self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed, dist)
         self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.grpo.temperature)
@@ -120,7 +123,7 @@ class Trainer:
                        groups=self.probe.groups if per_group else [],
                        group_sizes=self.probe.group_sizes if per_group else [],
                        config={**json.loads(json.dumps(dataclasses.asdict(self.cfg))), "world_size": self.dist.world},
-                       seed=self.cfg.seed, probe_method=self.probe.method_name, scalar_names=STEP_SCALARS)
+                       seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS)
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:

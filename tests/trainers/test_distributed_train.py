@@ -41,7 +41,7 @@ def structure(path: Path) -> dict:
                      if isinstance(obj, h5py.Dataset) else None)
     with open_run(path) as run:
         m = run.meta
-        out["meta"] = (m.agents, m.agent_roles, m.roles, m.policies, m.scalar_names, m.probe_method)
+        out["meta"] = (m.agents, m.agent_roles, m.roles, m.policies, m.scalar_names)
         out["records per step and policy"] = sorted(zip(run.step.tolist(), run.policy.tolist()))
     return out
 
@@ -58,13 +58,15 @@ def test_two_ranks_stop_cleanly_with_a_global_gram(tmp_path):
         assert run.events["kind"].iloc[-1] == "stop"
         # the Gram is of the global gradient: its total equals the all-reduced gradient's norm
         np.testing.assert_allclose(np.sqrt(run.gram.sum(axis=(1, 2))), run.scalars["grad_norm"], rtol=1e-5)
-        assert run.meta.config["world_size"] == 2
+        assert run.meta.config["world_size"] == 2 and run.meta.probe_method == "hooks+ranks(2)"
         assert (run.scalars["samples"] == 8 * 3 / 3).all()  # 2 tasks × 4 rollouts; 3 voters → 3 mini-batches
     single = tmp_path / "single.h5"
     proc = subprocess.run([*GRADSCOPE, "train", *SMALL, "--steps", "2", "--eval-every", "0", "--checkpoint-every",
                            "0", "--out", str(single)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert structure(out) == structure(single)
+    with open_run(single) as run:
+        assert run.meta.probe_method == "hooks"
 
 
 def test_two_ranks_resume_with_the_same_world_size(tmp_path):
@@ -129,3 +131,22 @@ def test_a_killed_rank_ends_the_job_without_hanging(tmp_path):
     with open_run(out) as run:  # readable; rank 0 closed it on the way out
         assert run.n_steps >= 10
         assert np.isfinite(run.gram).all()
+
+
+@pytest.mark.parametrize("k", [256])
+def test_sketched_probe_in_training(tmp_path, k):
+    """--probe-sketch K: the run file says so; IP adapters stay exactly orthogonal; the sketched
+    total norm is close to the trainer's exact gradient norm (sd ≈ 1/√(2k) relative)."""
+    from trainers.train import Trainer
+
+    from .test_train import small
+
+    cfg = small(tmp_path, steps=2, probe_sketch=k, default_alerts=False)
+    Trainer(cfg).run()
+    with open_run(cfg.out) as run:
+        assert run.meta.probe_method == f"hooks+sketch(k={k},seed=0)"
+        voters = [i for i, r in enumerate(run.meta.agent_roles) if r == "voter"]
+        agg = run.meta.agent_roles.index("aggregator")
+        assert (run.gram[:, voters, agg] == 0).all()
+        rel = np.sqrt(run.gram.sum(axis=(1, 2))) / run.scalars["grad_norm"].to_numpy() - 1
+        assert np.abs(rel).max() < 5 / np.sqrt(2 * k) and np.abs(rel).max() > 0  # sketched, not exact
