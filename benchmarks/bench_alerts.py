@@ -1,8 +1,8 @@
 """Alert evaluation against the training step it watches, measured side by side.
 
 A real testbed training run (Voting/math, IP, the default 8 tasks × 8 rollouts per step, every
-step probed) with the default rules plus three more (a wildcard aggregate, a per-agent rule and a
-metric rule). Each step's alert work — ``Monitor.step`` on its Gram records and ``Monitor.metrics``
+step probed) with the default rules plus four more (a wildcard aggregate, a per-agent rule, a
+metric rule and every agent pair's cosine). Each step's alert work — ``Monitor.step`` on its Gram records and ``Monitor.metrics``
 — is timed inside the same ``train_step`` call it belongs to, so both figures come from the same
 process at the same moment: ``ratio = median(alert time) / median(step time without alerts)``.
 
@@ -24,7 +24,8 @@ from gradscope.runfile import RunWriter  # noqa: E402
 from trainers.config import TrainConfig  # noqa: E402
 from trainers.train import Trainer  # noqa: E402
 
-EXTRA = ("grad_norm[*] > 3x median(50)", "agent_norm[voter0] > 10 for 3", "train/accuracy < 0.05 for 5")
+EXTRA = ("grad_norm[*] > 3x median(50)", "agent_norm[voter0] > 10 for 3", "train/accuracy < 0.05 for 5",
+         "cosine[*] > 0.99 for 5")
 
 
 class TimedMonitor(Monitor):

@@ -77,8 +77,10 @@ class AlertEngine:
         if rule.selector == "*":
             prefix = rule.statistic + "["
             return [k for k in values if k.startswith(prefix) and k.endswith("]")]
-        key = f"{rule.statistic}[{rule.selector}]"
-        return [key] if key in values else []
+        for sel in (rule.selector, "|".join(reversed(rule.selector.split("|")))):  # a pair in either order
+            if (key := f"{rule.statistic}[{sel}]") in values:
+                return [key]
+        return []
 
     def observe(self, step: int, values: Mapping[str, float]) -> list[Alert]:
         """One observation of each named value at ``step``. Names absent from ``values`` (and NaN

@@ -59,7 +59,7 @@ class Monitor:
                  on_alert: Callable[[Alert], object] | None = None,
                  echo: Callable[[str], object] = _stderr) -> None:
         self.rules = list(rules)
-        self.values = StepValues(agents, agent_roles)
+        self.values = StepValues(agents, agent_roles, wanted={r.statistic for r in self.rules})
         check_selectors(self.rules, agents, agent_roles, policies)
         self.engine = AlertEngine(self.rules)
         self.writer, self.on_alert, self.echo = writer, on_alert, echo
@@ -132,6 +132,13 @@ def check_selectors(rules: Sequence[Rule], agents: Sequence[str], agent_roles: S
         kind = STATISTICS.get(rule.statistic)
         if rule.statistic.startswith("opt."):
             kind = "policy"
+        if kind in ("agent pair", "role pair"):
+            kind, parts = kind.split()[0], rule.selector.split("|")
+            bad = [x for x in parts if x not in known[kind]] or ([] if parts[0] != parts[1] else [rule.selector])
+            if bad:
+                raise ConfigError(f"alert rule {rule.text!r}: {bad[0]!r} is not a pair of two different "
+                                  f"{kind}s of this run ({', '.join(known[kind])})")
+            continue
         if kind in known:
             choices = known[kind]
         elif "/" in rule.statistic and policies is not None:

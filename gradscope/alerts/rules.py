@@ -5,7 +5,8 @@
     rule      := condition [":" action ("," action)*]
     condition := "nonfinite" [options]
                | statistic op threshold [options]
-    statistic := NAME ["[" (NAME | "*") "]"]          coherence[voter], share[*], acc_drop
+    statistic := NAME ["[" (NAME ["|" NAME] | "*") "]"]   coherence[voter], share[*], acc_drop,
+                                                      cosine[voter0|voter1]
     op        := ">" | ">=" | "<" | "<="
     threshold := NUMBER                               0.75
                | [NUMBER "x"] AGG "(" INT ")"         3x median(50): 3 times the median of the
@@ -34,7 +35,8 @@ OPS = (">=", "<=", ">", "<")
 STATISTICS: dict[str, str] = {
     "grad_norm": "role", "coherence": "role", "amplification": "role", "signal_fraction": "role",
     "share": "role", "token_share": "role", "per_token_share": "role",
-    "agent_norm": "agent", "total_norm": "policy",
+    "mass_share": "role", "agent_norm": "agent", "total_norm": "policy",
+    "cosine": "agent pair", "role_cosine": "role pair",
     "update_norm": "policy", "update_rel": "policy", "opt_steps": "policy",
     "accuracy": "", "acc_smooth": "", "acc_peak": "", "acc_drop": "", "acc_drop_rel": "",
     "nonfinite": "",
@@ -50,7 +52,7 @@ _TOKEN = re.compile(r"""
   | (?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(?![\w])
   | (?P<name>[A-Za-z_][\w./-]*)
   | (?P<op>>=|<=|>|<)
-  | (?P<punct>[\[\]():,*])
+  | (?P<punct>[\[\]():,*|])
 """, re.VERBOSE)
 
 
@@ -131,6 +133,8 @@ def parse_rule(text: str, *, name: str = "") -> Rule:
     selector = None
     if toks.accept("punct", "["):
         selector = toks.accept("punct", "*") or toks.take("name", expected="a role, agent or policy name, or *")
+        if selector != "*" and toks.accept("punct", "|"):
+            selector += "|" + toks.take("name", expected="the pair's second name")
         toks.take("punct", "]", expected="']'")
     _check_selector(toks, statistic, selector, pos)
     kw: dict = {}
@@ -162,6 +166,9 @@ def _check_selector(toks: _Tokens, statistic: str, selector: str | None, pos: in
         toks.fail_at(pos, f"{statistic!r} needs a {kind}", f"{statistic}[<{kind}>] or {statistic}[*]")
     if kind == "" and selector is not None:
         toks.fail_at(pos, f"{statistic!r} takes no selector", f"{statistic} alone")
+    if kind and selector not in (None, "*") and kind.endswith("pair") != ("|" in selector):
+        toks.fail_at(pos, f"{statistic}[{selector}]", f"{statistic}[A|B] or {statistic}[*]" if kind.endswith("pair")
+                     else f"one {kind} in {statistic}[...]")
 
 
 def _threshold(toks: _Tokens) -> dict:

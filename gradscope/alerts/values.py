@@ -9,7 +9,7 @@ Value names are ``statistic[selector]`` or ``statistic``; the full list is in do
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -28,18 +28,23 @@ class StepValues:
         agent_roles: (K,) each agent's role.
     """
 
-    def __init__(self, agents: Sequence[str], agent_roles: Sequence[str]) -> None:
+    def __init__(self, agents: Sequence[str], agent_roles: Sequence[str],
+                 wanted: Collection[str] | None = None) -> None:
         self.agents, self.agent_roles = list(agents), list(agent_roles)
         self.P, self.roles = stats.role_indicator(self.agent_roles)
         self.n_per_role = self.P.sum(axis=0)
+        self.wanted = None if wanted is None else set(wanted)  # statistic names to compute (None: all)
         self.role_sets: dict[str, list[str]] = {}   # policy → roles seen with a gradient in its records
         self.acc_recent: list[float] = []         # the last ACC_SMOOTH accuracies
         self.acc_peak = -np.inf
 
+    def _want(self, *names: str) -> bool:
+        return self.wanted is None or any(n in self.wanted for n in names)
+
     def records(self, gram: np.ndarray, tokens: np.ndarray | None = None,
                 policies: Sequence[str | None] | None = None,
                 scalars: Sequence[Mapping[str, float]] | None = None) -> dict[str, float]:
-        """Values of one training step from its records.
+        """Values of one training step from its records (only the ``wanted`` statistics).
 
         Args:
             gram: (N, K, K) the step's Gram records (N optimizer steps).
@@ -49,43 +54,71 @@ class StepValues:
         """
         M = np.asarray(gram, dtype=np.float64).reshape(-1, len(self.agents), len(self.agents))
         N = len(M)
-        tok = np.zeros((N, len(self.agents))) if tokens is None else np.asarray(tokens, dtype=np.float64).reshape(N, -1)
         pol = ["all" if not p else str(p) for p in (policies if policies is not None else [None] * N)]
-        one = np.zeros(N, dtype=np.int64)  # every record in the same (only) step slot
-        out: dict[str, float] = {}
-
-        finite = stats.finite_mask(M)
-        bad_scalars = [name for s in scalars or () for name, v in s.items() if not np.isfinite(v)]
-        out["nonfinite"] = float((not finite.all()) or bool(bad_scalars))
-
-        role_norm = stats.role_norms(M, self.P)                    # (N, R)
-        present = steps.present(role_norm)
-        per_role = {"grad_norm": role_norm,
-                    "coherence": stats.coherence(M, self.P),
-                    "amplification": stats.amplification_factor(M, self.P),
-                    "signal_fraction": stats.signal_fraction(M, self.P)}
-        for name, values in per_role.items():
-            means = steps.step_mean(values, one, 1, present)[0]
-            for j, role in enumerate(self.roles):
-                if name in ("grad_norm",) or self.n_per_role[j] >= 2:
-                    out[f"{name}[{role}]"] = means[j]
-        norms = stats.agent_norms(M)
-        for k, v in enumerate(steps.step_mean(norms, one, 1, norms > 0)[0]):
-            out[f"agent_norm[{self.agents[k]}]"] = v
-
+        bad_scalars = any(not np.isfinite(v) for s in scalars or () for v in s.values())
+        out = {"nonfinite": float(not stats.finite_mask(M).all() or bad_scalars)}
+        present = steps.present(stats.role_norms(M, self.P))     # (N, R)
+        out.update(self._roles(M, present))
+        out.update(self._agents(M, present))
         for p in dict.fromkeys(pol):
             mine = np.array([q == p for q in pol])
             seen = self.role_sets.setdefault(p, [])
             seen += [r for j, r in enumerate(self.roles) if present[mine, j].any() and r not in seen]
             seen.sort(key=self.roles.index)
-            out[f"total_norm[{p}]"] = steps.step_mean(stats.total_norm(M[mine]), one[mine], 1)[0]
-            if len(seen) >= 2:  # a shared parameter set: shares among the roles training it
-                for name, values in steps.shared_set_stats(M[mine], tok[mine], self.agent_roles, seen).items():
-                    for j, v in enumerate(steps.step_mean(values, one[mine], 1)[0]):
-                        out[f"{name}[{seen[j]}]"] = v
-            for name in {n for i in np.flatnonzero(mine) for n in (scalars[i] if scalars else ())}:
-                vals = np.array([scalars[i].get(name, np.nan) for i in np.flatnonzero(mine)], dtype=float)
-                out[f"opt.{name}[{p}]"] = steps.step_mean(vals, one[mine], 1)[0]
+            tok = None if tokens is None else np.asarray(tokens, dtype=np.float64).reshape(N, -1)[mine]
+            out.update(self._policy(p, M[mine], tok, seen, [scalars[i] for i in np.flatnonzero(mine)] if scalars else []))
+        return out
+
+    def _roles(self, M: np.ndarray, present: np.ndarray) -> dict[str, float]:
+        """Per-role statistics: mean over the step's records in which the role is present."""
+        families = {"grad_norm": lambda: stats.role_norms(M, self.P),
+                    "mass_share": lambda: stats.mass_shares(M, self.P),
+                    "coherence": lambda: stats.coherence(M, self.P),
+                    "amplification": lambda: stats.amplification_factor(M, self.P),
+                    "signal_fraction": lambda: stats.signal_fraction(M, self.P)}
+        out = {}
+        for name, compute in families.items():
+            if not self._want(name):
+                continue
+            means = steps.step_mean(compute(), np.zeros(len(M), dtype=np.int64), 1, present)[0]
+            for j, role in enumerate(self.roles):
+                if name in ("grad_norm", "mass_share") or self.n_per_role[j] >= 2:
+                    out[f"{name}[{role}]"] = means[j]
+        return out
+
+    def _agents(self, M: np.ndarray, present: np.ndarray) -> dict[str, float]:
+        """Agent norms and the agent / role cosines (over records where both have a gradient)."""
+        one = np.zeros(len(M), dtype=np.int64)
+        norms = stats.agent_norms(M)
+        out = {}
+        if self._want("agent_norm"):
+            for k, v in enumerate(steps.step_mean(norms, one, 1, norms > 0)[0]):
+                out[f"agent_norm[{self.agents[k]}]"] = v
+        for name, gram, names, has in (("cosine", lambda: M, self.agents, norms > 0),
+                                       ("role_cosine", lambda: stats.role_gram(M, self.P), self.roles, present)):
+            if not self._want(name):
+                continue
+            cos = steps.step_mean(stats.cosine(gram()), one, 1, has[:, :, None] & has[:, None, :])[0]
+            for i, j in zip(*np.triu_indices(len(names), k=1)):
+                out[f"{name}[{names[i]}|{names[j]}]"] = cos[i, j]
+        return out
+
+    def _policy(self, policy: str, M: np.ndarray, tokens: np.ndarray | None, roles: list[str],
+                scalars: list[Mapping[str, float]]) -> dict[str, float]:
+        """One policy's records: its total norm, shares if two or more roles train it, its scalars."""
+        one = np.zeros(len(M), dtype=np.int64)
+        out = {}
+        if self._want("total_norm"):
+            out[f"total_norm[{policy}]"] = steps.step_mean(stats.total_norm(M), one, 1)[0]
+        if len(roles) >= 2 and self._want("share", "token_share", "per_token_share"):
+            tok = np.zeros(M.shape[:2]) if tokens is None else tokens
+            for name, values in steps.shared_set_stats(M, tok, self.agent_roles, roles).items():
+                for j, v in enumerate(steps.step_mean(values, one, 1)[0]):
+                    out[f"{name}[{roles[j]}]"] = v
+        for name in dict.fromkeys(n for s in scalars for n in s):
+            if self._want(f"opt.{name}"):
+                vals = np.array([s.get(name, np.nan) for s in scalars], dtype=float)
+                out[f"opt.{name}[{policy}]"] = steps.step_mean(vals, one, 1)[0]
         return out
 
     def metrics(self, values: Mapping[str, float]) -> dict[str, float]:

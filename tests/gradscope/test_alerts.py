@@ -37,6 +37,8 @@ ROLES = ["voter", "voter", "voter", "aggregator"]
     ("nonfinite: checkpoint, stop", dict(statistic="nonfinite", op=None, actions=("record", "checkpoint", "stop"))),
     ("train/accuracy <= .1e1 for 3", dict(statistic="train/accuracy", threshold=1.0, persist=3)),
     ("opt.loss[voter] > 1e3", dict(statistic="opt.loss", selector="voter", threshold=1000.0)),
+    ("cosine[voter0|voter2] > 0.9", dict(statistic="cosine", selector="voter0|voter2")),
+    ("role_cosine[*] < 0 for 3", dict(statistic="role_cosine", selector="*", op="<", threshold=0.0)),
 ])
 def test_rules_parse(text, fields):
     rule = parse_rule(text)
@@ -61,6 +63,9 @@ def test_rules_parse(text, fields):
     ("acc_drop[voter] > 1", 1, "'acc_drop' takes no selector"),
     ("nonfinite > 3", 11, "'>'"),
     ("coherence[voter] ~ 3", 18, "'~'"),
+    ("cosine[voter0] > 0", 1, "cosine[voter0]: expected cosine[A|B]"),
+    ("coherence[voter|aggregator] > 0", 1, "coherence[voter|aggregator]: expected one role"),
+    ("cosine[voter0|] > 0", 15, "']'"),
 ])
 def test_bad_rules_point_at_the_token(text, column, token):
     with pytest.raises(ConfigError) as err:
@@ -160,6 +165,12 @@ def test_aggregate_threshold_and_missing_values():
     assert engine.observe(5, {"grad_norm[evaluator]": 50})
 
 
+def test_pair_selectors_match_either_order():
+    engine = AlertEngine([parse_rule("cosine[voter1|voter0] > 0.5")])
+    fired = engine.observe(1, {"cosine[voter0|voter1]": 0.9, "cosine[voter0|voter2]": 0.9})
+    assert [a.key for a in fired] == ["cosine[voter0|voter1]"]
+
+
 def test_nonfinite_rule():
     engine = AlertEngine([parse_rule("nonfinite cooldown 1")])
     got = [t for t, v in enumerate([0, 0, 1, 1, 0, 1]) if engine.observe(t, {"nonfinite": v})]
@@ -199,6 +210,13 @@ def test_step_values_equal_the_analyses(shared):
             assert v[f"grad_norm[{role}]"] == pytest.approx(series.role_norm[i, j], rel=1e-12)
         assert v["coherence[voter]"] == pytest.approx(series.coherence[i, 0], rel=1e-12)
         assert v["amplification[voter]"] == pytest.approx(series.amplification[i, 0], rel=1e-12)
+        for a, b in [(0, 1), (0, 2), (1, 2), (0, 3)]:
+            expected = series.agent_cosine[i, a, b]
+            key = f"cosine[{AGENTS[a]}|{AGENTS[b]}]"
+            if np.isnan(expected):  # IP: a voter and the aggregator never share a record
+                assert np.isnan(v[key]) and not shared
+            else:
+                assert v[key] == pytest.approx(expected, rel=1e-12)
         assert "coherence[aggregator]" not in v  # one agent: no coherence
         if shared:
             st = series.set_stats("shared")
@@ -207,6 +225,16 @@ def test_step_values_equal_the_analyses(shared):
                 assert v[f"per_token_share[{role}]"] == pytest.approx(st["per_token_share"][i, j], rel=1e-12)
         else:
             assert not any(k.startswith("share[") for k in v)  # no shared parameter set in IP
+
+
+def test_only_wanted_statistics_are_computed():
+    rng = np.random.default_rng(2)
+    gram, tokens, policies, steps = synthetic_records(rng, 1)
+    full = StepValues(AGENTS, ROLES).records(gram, tokens, list(policies))
+    some = StepValues(AGENTS, ROLES, wanted={"coherence", "opt.loss"}).records(
+        gram, tokens, list(policies), [{"loss": 1.0, "lr": 0.1}] * len(gram))
+    assert set(some) == {"nonfinite", "coherence[voter]", "opt.loss[voter]", "opt.loss[aggregator]"}
+    assert some["coherence[voter]"] == full["coherence[voter]"]
 
 
 def test_eval_values_smooth_like_the_cliff_detector():
@@ -248,7 +276,9 @@ def test_monitor_rejects_unknown_selectors():
     for text, expected in [("coherence[votr] > 1", "unknown role 'votr'"),
                            ("agent_norm[voter] > 1", "unknown agent 'voter'"),
                            ("update_norm[shared] > 1", "unknown policy 'shared'"),
-                           ("opt.loss[x] > 1", "unknown policy 'x'")]:
+                           ("opt.loss[x] > 1", "unknown policy 'x'"),
+                           ("cosine[voter0|voter9] > 1", "'voter9' is not a pair"),
+                           ("role_cosine[voter|voter] > 1", "'voter|voter' is not a pair")]:
         with pytest.raises(ConfigError, match=expected):
             Monitor([parse_rule(text)], AGENTS, ROLES, policies=["voter", "aggregator"])
 
