@@ -28,7 +28,7 @@ def save_checkpoint(folder: Path, step: int, model, updater, trainer, name: str 
         "updater_rng": updater.rng.getstate(),
         "task_rng": trainer.task_rng.getstate(),
         "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this rank's device
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
     })
@@ -64,14 +64,16 @@ def load_checkpoint(folder: Path, model, updater, trainer) -> int:
     path = folder / "latest" / "state.pt"
     if not path.is_file():
         raise ConfigError(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto cuda:0
     params = {n: p for ps in adapter_parameters(model).values() for n, p in ps}
     if set(params) != set(state["adapters"]):
         raise ConfigError(f"--resume: checkpoint {path} was made with other adapters or another model")
     with torch.no_grad():
         for name, value in state["adapters"].items():
             params[name].copy_(value)
-    if state.get("world_size") != trainer.dist.world:
+    if "rng" not in state:  # written before checkpoints held one entry per rank
+        state = {**state, "world_size": 1, "rng": [state]}
+    if state["world_size"] != trainer.dist.world:
         raise ConfigError(f"--resume: checkpoint {path} was made by {state.get('world_size')} processes, "
                           f"this run has {trainer.dist.world}; resume with the same world size")
     for adapter, opt in updater.optimizers.items():
@@ -80,8 +82,11 @@ def load_checkpoint(folder: Path, model, updater, trainer) -> int:
     updater.rng.setstate(rng["updater_rng"])
     trainer.task_rng.setstate(rng["task_rng"])
     torch.set_rng_state(rng["torch_rng"])
-    if rng.get("cuda_rng") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda_rng"])
+    cuda_rng = rng.get("cuda_rng")
+    if isinstance(cuda_rng, list):  # older checkpoints kept every device's state
+        cuda_rng = cuda_rng[torch.cuda.current_device()] if torch.cuda.is_available() and cuda_rng else None
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_rng)
     np.random.set_state(rng["numpy_rng"])
     random.setstate(rng["python_rng"])
     return int(state["step"])

@@ -50,4 +50,5 @@ def train_main(argv: Sequence[str]) -> int:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean close short
     raise KeyboardInterrupt

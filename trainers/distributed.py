@@ -4,9 +4,10 @@
 ``LOCAL_RANK``; :meth:`Dist.from_env` then joins the process group (gloo on CPU, NCCL on GPU). Every
 rank holds the same adapters and optimizer states (same seed, same summed gradients); each rolls out
 its share of a step's tasks. Gradients are summed across ranks with the loss of every mini-batch
-normalised by the *global* token count, so the summed gradient is exactly the single-process one on
-the same global batch — and so is the probe's Gram (the probe all-reduces per-agent contributions
-itself, docs/distributed.md). Only rank 0 writes the run file and evaluates alert rules; a ``stop``
+normalised by the *global* token count, so the summed gradient is exactly that of one process
+training on the union of the ranks' mini-batch chunks — and so is the probe's Gram (the probe
+all-reduces per-agent contributions itself, docs/distributed.md). (Which samples form a global
+mini-batch differs from a one-process run's split of the same step.) Only rank 0 writes the run file and evaluates alert rules; a ``stop``
 is broadcast so that every rank leaves the loop after the same step.
 """
 from __future__ import annotations

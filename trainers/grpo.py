@@ -5,14 +5,14 @@
   ``A = (r − mean) / (std + 1e-6)``; a group of one keeps ``A = r`` (verl's convention).
 * Loss: the clipped surrogate with asymmetric clipping ``[1 − clip_low, 1 + clip_high]``, averaged
   over the completion tokens of a mini-batch ("token-mean"); optional k3 KL to the base model.
-* Each policy's samples (one adapter's turns) are shuffled and split into mini-batches of
-  ``mini_batch_size`` samples; each mini-batch is one probed optimizer step. A role with three
-  agents therefore takes about three times the optimizer steps of a one-agent role.
+* Each policy's samples (one adapter's turns) are shuffled and split into ``ceil(n /
+  mini_batch_size)`` near-equal mini-batches (n samples over all ranks); each mini-batch is one
+  probed optimizer step. A role with three agents therefore takes about three times the optimizer
+  steps of a one-agent role.
 """
 from __future__ import annotations
 
 import math
-
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -46,7 +46,8 @@ class GRPOConfig:
     warmup_steps: int = flag(15, "linear LR warm-up, in training steps")
     weight_decay: float = flag(0.01, "AdamW weight decay")
     grad_clip: float = flag(1.0, "max grad norm per optimizer step (0: off)")
-    mini_batch_size: int = flag(0, "samples per optimizer step (0: tasks_per_step x group_size)")
+    mini_batch_size: int = flag(0, "at most this many samples per optimizer step, split evenly "
+                                   "(0: tasks_per_step x group_size)")
     temperature: float = flag(0.7, "sampling temperature (log-probs use the same)")
     shuffle: bool = flag(True, "shuffle a policy's samples before splitting them into mini-batches")
 

@@ -20,6 +20,7 @@ import torch
 
 from gradscope.alerts import Alert, Monitor, Rule, check_selectors
 from gradscope.alerts.cli import collect_rules
+from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
@@ -131,67 +132,70 @@ class Trainer:
         step in progress is finished, checkpointed, and the last event is ``stop``)."""
         cfg, out, dist = self.cfg, Path(self.cfg.out), self.dist
         ckpt_dir = out.with_name(out.name + ".ckpt")
+        monitor = self._monitor(ckpt_dir)
         start = 1
         if cfg.resume:
             start = load_checkpoint(ckpt_dir, self.model, self.updater, self) + 1
+            if dist.is_main:  # the rules' state (peaks, persistence, baselines) of the kept steps
+                catch_up(out, monitor, below_step=start)
         if not dist.is_main:
             writer = NullWriter()
         elif cfg.resume:
             writer = RunWriter.resume(out, keep_below_step=start)
         else:
             writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
+        monitor.writer = writer if dist.is_main else None
         with writer:
-            monitor = self._monitor(writer, ckpt_dir)
             if start == 1:
                 evals = self.evaluate()
                 writer.log_eval(0, evals)
                 monitor.evals(0, evals)
+                if self._after(0, monitor, writer, ckpt_dir, scheduled=False):
+                    return out  # stopped by the base evaluation: nothing trained
             for step in range(start, cfg.steps + 1):
-                stop, _ = self._requests(monitor)
-                if stop:  # fired by the base evaluation: train nothing
-                    self._stop(writer, step - 1, stop)
-                    break
                 metrics = self.train_step(step, writer, monitor)
                 if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
                     evals = self.evaluate()
                     writer.log_eval(step, evals)
                     monitor.evals(step, evals)
                     metrics["eval_accuracy"] = evals["accuracy"]
-                stop, checkpoint = self._requests(monitor)
-                if checkpoint:
-                    save_checkpoint(ckpt_dir, step, self.model, self.updater, self, name=f"step{step}")
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps or stop:
-                    save_checkpoint(ckpt_dir, step, self.model, self.updater, self)
+                scheduled = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps
+                stop = self._after(step, monitor, writer, ckpt_dir, scheduled=bool(scheduled))
                 if on_step is not None:
                     on_step(step, metrics)
                 if stop:
-                    self._stop(writer, step, stop)
                     break
         return out
 
-    def _requests(self, monitor: Monitor) -> tuple[Alert | None, bool]:
-        """(the alert asking to stop, whether one asked for a checkpoint) — rank 0's, on every rank."""
-        stop, checkpoint = self.dist.broadcast((monitor.stop_requested, self._checkpoint_requested))
-        self._checkpoint_requested = False
-        return stop, checkpoint
+    def _after(self, step: int, monitor: Monitor, writer: RunWriter, ckpt_dir: Path, scheduled: bool) -> Alert | None:
+        """End of a step on every rank: rank 0's alert requests are broadcast (one collective), an
+        alert checkpoint is saved to ``step<N>/``, ``latest/`` when scheduled or stopping; returns
+        the alert that stops the run, after recording the ``stop`` event."""
+        stop, asked = self.dist.broadcast((monitor.stop_requested, self._checkpoint_for))
+        self._checkpoint_for = None
+        if asked is not None:
+            path = save_checkpoint(ckpt_dir, step, self.model, self.updater, self, name=f"step{step}")
+            if self.dist.is_main:
+                monitor.checkpointed(asked, path)
+        if scheduled or stop:
+            save_checkpoint(ckpt_dir, step, self.model, self.updater, self)
+        if stop:
+            self.stopped_by, self.stopped_after = stop, step
+            writer.log_event(step, "stop", f"stopped after step {step} by [{stop.rule.label}]", severity="warning")
+        return stop
 
-    def _stop(self, writer: RunWriter, step: int, alert: Alert) -> None:
-        self.stopped_by, self.stopped_after = alert, step
-        writer.log_event(step, "stop", f"stopped after step {step} by [{alert.rule.label}]", severity="warning")
+    def _monitor(self, ckpt_dir: Path) -> Monitor:
+        """Alert rules on this run (rank 0 only; its writer is attached once open): every alert is
+        recorded in the run file; ``checkpoint`` saves the adapters at the end of the step to
+        ``<run>.ckpt/step<N>/`` (loadable with peft, and by ``--resume``)."""
+        self._checkpoint_for: Alert | None = None
 
-    def _monitor(self, writer: RunWriter, ckpt_dir: Path) -> Monitor:
-        """Alert rules on this run (rank 0 only): every alert is recorded in the run file;
-        ``checkpoint`` saves the adapters at the end of the step to ``<run>.ckpt/step<N>/``
-        (loadable with peft, and by ``--resume``)."""
-        self._checkpoint_requested = False
-
-        def checkpoint(alert: Alert) -> str:
-            self._checkpoint_requested = True
-            return str(ckpt_dir / f"step{alert.step}")
+        def checkpoint(alert: Alert) -> None:
+            self._checkpoint_for = self._checkpoint_for or alert  # saved (and reported) in _after
 
         wf = self.workflow
         return Monitor(self.rules if self.dist.is_main else [], list(wf.agents), [wf.agent_roles[a] for a in wf.agents],
-                       policies=self.policy.adapters, writer=writer, checkpoint=checkpoint,
+                       policies=self.policy.adapters, checkpoint=checkpoint,
                        stop=lambda alert: None, **({"echo": self.echo} if self.echo else {}))
 
     def train_step(self, step: int, writer: RunWriter, monitor: Monitor | None = None) -> dict[str, float]:
@@ -220,7 +224,8 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy and the per-role text signature, sampled with a fixed seed."""
-        with torch.random.fork_rng():  # evaluation must not move training's RNG streams (CUDA too)
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):  # evaluation must not move training's RNG streams
             torch.manual_seed(self.cfg.seed + 1_000_003 + self.dist.rank)
             episodes = self.workflow.run(self.dist.shard(self.tasks.held_out), self.sampler)
         self.scorer.score(episodes)

@@ -103,13 +103,15 @@ class AlertEngine:
         if rule.statistic == "nonfinite":
             met, reference = value > 0, 0.0
         elif rule.aggregate is not None:
-            base = [v for v in st.history if math.isfinite(v)]
-            if math.isfinite(value):
-                st.history.append(value)
-            if len(base) < min_history(rule):
+            if len(st.history) < min_history(rule):
+                met, reference = False, math.nan
+            else:
+                reference = rule.threshold * float(_AGGREGATES[rule.aggregate](st.history))
+                met = rule.compare(value, reference)
+            if not met and math.isfinite(value):  # the baseline holds normal values only, so a
+                st.history.append(value)          # persisting excursion is not its own reference
+            if math.isnan(reference):
                 return None
-            reference = rule.threshold * float(_AGGREGATES[rule.aggregate](base))
-            met = rule.compare(value, reference)
         else:
             reference = rule.threshold
             met = rule.compare(value, reference)

@@ -13,8 +13,8 @@
 
 Actions: ``record`` — an ``alert`` event in the run file (always, when a writer is given);
 ``warn`` — one line on the console (``echo``) and a warning on the ``gradscope.alerts`` logger
-when logging is configured; ``checkpoint`` — the callback (it returns where it saved), a console
-line and a ``checkpoint`` event; ``stop`` — the callback, and :attr:`Monitor.stop_requested` is
+when logging is configured; ``checkpoint`` — the callback, then (once it returns where it saved) a
+console line and a ``checkpoint`` event (:meth:`Monitor.checkpointed`); ``stop`` — the callback, and :attr:`Monitor.stop_requested` is
 set: the loop finishes its step, logs its own ``stop`` event and ends. ``on_alert`` is called for
 every alert, whatever its actions.
 """
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -59,13 +60,15 @@ class Monitor:
                  on_alert: Callable[[Alert], object] | None = None,
                  echo: Callable[[str], object] = _stderr) -> None:
         self.rules = list(rules)
-        self.values = StepValues(agents, agent_roles, wanted={r.statistic for r in self.rules})
+        self.values = StepValues(agents, agent_roles, wanted={r.statistic for r in self.rules},
+                                 policies=policies or ())
         check_selectors(self.rules, agents, agent_roles, policies)
         self.engine = AlertEngine(self.rules)
         self.writer, self.on_alert, self.echo = writer, on_alert, echo
         self._checkpoint, self._stop = checkpoint, stop
         self.fired: list[Alert] = []
         self.stop_requested: Alert | None = None
+        self._muted = False
 
     # --- feeding -------------------------------------------------------------------------------
     def step(self, step: int, gram: np.ndarray, tokens: np.ndarray | None = None,
@@ -91,7 +94,18 @@ class Monitor:
         return fired
 
     # --- actions -------------------------------------------------------------------------------
+    @contextmanager
+    def muted(self) -> Iterator[None]:
+        """Rules evaluate (their state moves on) but no action is taken and nothing is kept."""
+        self._muted = True
+        try:
+            yield
+        finally:
+            self._muted = False
+
     def _act(self, alert: Alert) -> None:
+        if self._muted:
+            return
         self.fired.append(alert)
         actions, message = alert.rule.actions, alert.message
         if self.writer is not None:
@@ -105,17 +119,23 @@ class Monitor:
         if "checkpoint" in actions:
             if self._checkpoint is None:
                 self.echo(f"gradscope alert at step {alert.step}: 'checkpoint' is not available here")
-            else:
-                path = self._checkpoint(alert)
-                self.echo(f"gradscope alert at step {alert.step}: checkpoint saved to {path}")
-                if self.writer is not None:
-                    self.writer.log_event(alert.step, "checkpoint", f"{path} by [{alert.rule.label}]")
+            elif (path := self._checkpoint(alert)) is not None:
+                self.checkpointed(alert, path)
         if "stop" in actions and self.stop_requested is None:
             if self._stop is None:
                 self.echo(f"gradscope alert at step {alert.step}: 'stop' is not available here")
             else:
                 self.stop_requested = alert
                 self._stop(alert)
+
+
+    def checkpointed(self, alert: Alert, path: object) -> None:
+        """Report a checkpoint taken for ``alert`` (a console line and a ``checkpoint`` event). Called
+        when the ``checkpoint`` callback returns the path; a callback that saves later returns None
+        and calls this itself once the checkpoint exists."""
+        self.echo(f"gradscope alert at step {alert.step}: checkpoint saved to {path}")
+        if self.writer is not None:
+            self.writer.log_event(alert.step, "checkpoint", f"{path} by [{alert.rule.label}]")
 
 
 def check_selectors(rules: Sequence[Rule], agents: Sequence[str], agent_roles: Sequence[str],

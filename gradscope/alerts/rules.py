@@ -48,8 +48,8 @@ DEFAULT_COOLDOWN = 10
 
 _TOKEN = re.compile(r"""
     (?P<space>\s+)
-  | (?P<factor>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?x)(?![\w.])
-  | (?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(?![\w])
+  | (?P<factor>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?x)(?![\w.])
+  | (?P<number>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(?![\w])
   | (?P<name>[A-Za-z_][\w./-]*)
   | (?P<op>>=|<=|>|<)
   | (?P<punct>[\[\]():,*|])
@@ -110,7 +110,7 @@ class _Tokens:
     def take(self, kind: str, value: str | None = None, expected: str = "") -> str:
         tok = self.peek()
         if tok is None or tok[0] != kind or (value is not None and tok[1] != value):
-            self.fail(expected or repr(value) if value else expected or kind)
+            self.fail(expected or (repr(value) if value else kind))
         self.i += 1
         return tok[1]
 
@@ -126,7 +126,7 @@ def parse_rule(text: str, *, name: str = "") -> Rule:
     """Parse one rule; :class:`ConfigError` with the offending token's column on a bad one."""
     toks = _Tokens(text)
     if not toks.items:
-        raise ConfigError("bad alert rule '': empty")
+        raise ConfigError(f"bad alert rule {text!r}: empty")
     pos = toks.peek()[2]
     statistic = toks.take("name", expected="a statistic name, e.g. coherence[voter]")
     _check_statistic(toks, statistic, pos)
@@ -164,6 +164,8 @@ def _check_selector(toks: _Tokens, statistic: str, selector: str | None, pos: in
     kind = STATISTICS.get(statistic)
     if kind and selector is None:
         toks.fail_at(pos, f"{statistic!r} needs a {kind}", f"{statistic}[<{kind}>] or {statistic}[*]")
+    if statistic.startswith("opt.") and selector is None:
+        toks.fail_at(pos, f"{statistic!r} needs a policy", f"{statistic}[<policy>] or {statistic}[*]")
     if kind == "" and selector is not None:
         toks.fail_at(pos, f"{statistic!r} takes no selector", f"{statistic} alone")
     if kind and selector not in (None, "*") and kind.endswith("pair") != ("|" in selector):

@@ -29,8 +29,9 @@ class StepValues:
     """
 
     def __init__(self, agents: Sequence[str], agent_roles: Sequence[str],
-                 wanted: Collection[str] | None = None) -> None:
+                 wanted: Collection[str] | None = None, policies: Sequence[str] = ()) -> None:
         self.agents, self.agent_roles = list(agents), list(agent_roles)
+        self.policies = list(policies)  # known up front (metrics may name them before any record)
         self.P, self.roles = stats.role_indicator(self.agent_roles)
         self.n_per_role = self.P.sum(axis=0)
         self.wanted = None if wanted is None else set(wanted)  # statistic names to compute (None: all)
@@ -113,6 +114,8 @@ class StepValues:
         if len(roles) >= 2 and self._want("share", "token_share", "per_token_share"):
             tok = np.zeros(M.shape[:2]) if tokens is None else tokens
             for name, values in steps.shared_set_stats(M, tok, self.agent_roles, roles).items():
+                if tokens is None and name != "share":  # no token counts: no token statistics
+                    continue
                 for j, v in enumerate(steps.step_mean(values, one, 1)[0]):
                     out[f"{name}[{roles[j]}]"] = v
         for name in dict.fromkeys(n for s in scalars for n in s):
@@ -124,7 +127,7 @@ class StepValues:
     def metrics(self, values: Mapping[str, float]) -> dict[str, float]:
         """Per-step metrics: ``a/b`` as itself, and as ``a[b]`` when ``b`` names a role, agent or
         policy; names without ``/`` as ``metric.<name>``."""
-        names = set(self.roles) | set(self.agents) | set(self.role_sets)
+        names = set(self.roles) | set(self.agents) | set(self.policies) | set(self.role_sets)
         out = {}
         for name, v in values.items():
             stem, _, last = name.rpartition("/")

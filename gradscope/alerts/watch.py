@@ -21,15 +21,14 @@ from gradscope.runfile import RunReader, open_run, schema
 class Follower:
     """Feeds a (live or finished) run file into a :class:`Monitor`, one :meth:`poll` at a time."""
 
-    def __init__(self, run: RunReader, rules: Sequence[Rule], echo: Callable[[str], object]) -> None:
-        meta = run.meta
-        self.run = run
-        self.monitor = Monitor(rules, meta.agents, meta.agent_roles, policies=meta.policies, echo=echo)
+    def __init__(self, run: RunReader, monitor: Monitor) -> None:
+        self.run, self.monitor = run, monitor
         self.next = {"records": 0, schema.EVALS: 0, schema.METRICS: 0}
         self.last_step = -1   # last training step evaluated
 
-    def poll(self) -> list[Alert]:
-        """Evaluate every newly completed step; returns the alerts fired."""
+    def poll(self, below_step: int | None = None) -> list[Alert]:
+        """Evaluate every newly completed step (only those before ``below_step``, if given);
+        returns the alerts fired."""
         run = self.run.refresh()
         closed = run.closed
         rec_step = run.read("step", self.next["records"])
@@ -38,6 +37,8 @@ class Follower:
         if not seen:
             return []
         horizon = np.inf if closed else max(seen) - 1
+        if below_step is not None:
+            horizon = min(horizon, below_step - 1)
         items: list[tuple[int, int, object]] = []
         n_rec = int(np.searchsorted(rec_step, horizon, side="right")) if np.isfinite(horizon) else len(rec_step)
         if n_rec:
@@ -47,7 +48,9 @@ class Follower:
             pol = names[np.where(recs["policy"] >= 0, recs["policy"], len(run.meta.policies))]
             for s in np.unique(rec_step[:n_rec]):
                 m = rec_step[:n_rec] == s
-                scal = [dict(zip(run.meta.scalar_names, row)) for row in recs["scalars"][m]]
+                # NaN = not logged by the writer (RunWriter fills missing scalars so), not a NaN value
+                scal = [{k: v for k, v in zip(run.meta.scalar_names, row) if not np.isnan(v)}
+                        for row in recs["scalars"][m]]
                 items.append((int(s), 0, (recs["gram"][m], recs["tokens"][m], list(pol[m]), scal)))
             self.next["records"] += n_rec
         for order, table in ((1, schema.METRICS), (2, schema.EVALS)):
@@ -75,8 +78,8 @@ def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 
     """Follow ``path`` until its writer closes it (or nothing new arrives for ``idle`` seconds,
     when ``idle`` > 0); returns every alert fired. Alerts are printed through ``echo``."""
     with open_run(path) as run:
-        follower = Follower(run, rules, echo)
         meta = run.meta
+        follower = Follower(run, Monitor(rules, meta.agents, meta.agent_roles, policies=meta.policies, echo=echo))
         echo(f"watching {path}: {len(meta.agents)} agents, roles {', '.join(dict.fromkeys(meta.agent_roles))}; "
              f"{len(rules)} rules")
         quiet_since = time.monotonic()
@@ -94,3 +97,10 @@ def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 
                      f"{len(follower.monitor.fired)} alerts")
                 return follower.monitor.fired
             time.sleep(poll)
+
+
+def catch_up(path: str, monitor: Monitor, below_step: int) -> None:
+    """Feed ``monitor`` the steps before ``below_step`` of a run file with its actions muted: a
+    resumed run's rules continue from the state they had (accuracy peak, persistence, baselines)."""
+    with open_run(path) as run, monitor.muted():
+        Follower(run, monitor).poll(below_step=below_step)

@@ -37,6 +37,8 @@ ROLES = ["voter", "voter", "voter", "aggregator"]
     ("nonfinite: checkpoint, stop", dict(statistic="nonfinite", op=None, actions=("record", "checkpoint", "stop"))),
     ("train/accuracy <= .1e1 for 3", dict(statistic="train/accuracy", threshold=1.0, persist=3)),
     ("opt.loss[voter] > 1e3", dict(statistic="opt.loss", selector="voter", threshold=1000.0)),
+    ("role_cosine[*] < -0.5", dict(threshold=-0.5, op="<")),
+    ("share[voter] < -1e-1 for 2", dict(threshold=-0.1, persist=2)),
     ("cosine[voter0|voter2] > 0.9", dict(statistic="cosine", selector="voter0|voter2")),
     ("role_cosine[*] < 0 for 3", dict(statistic="role_cosine", selector="*", op="<", threshold=0.0)),
 ])
@@ -66,13 +68,18 @@ def test_rules_parse(text, fields):
     ("cosine[voter0] > 0", 1, "cosine[voter0]: expected cosine[A|B]"),
     ("coherence[voter|aggregator] > 0", 1, "coherence[voter|aggregator]: expected one role"),
     ("cosine[voter0|] > 0", 15, "']'"),
+    ("opt.loss > 1", 1, "'opt.loss' needs a policy"),
+    ("   ", 4, "empty"),
 ])
 def test_bad_rules_point_at_the_token(text, column, token):
     with pytest.raises(ConfigError) as err:
         parse_rule(text)
     message = str(err.value)
     assert "\n" not in message
-    assert f"at column {column}, {token}" in message, message
+    if token == "empty":
+        assert message == f"bad alert rule {text!r}: empty"
+    else:
+        assert f"at column {column}, {token}" in message, message
 
 
 def test_rules_from_yaml(tmp_path):
@@ -171,6 +178,15 @@ def test_pair_selectors_match_either_order():
     assert [a.key for a in fired] == ["cosine[voter0|voter1]"]
 
 
+def test_a_lasting_excursion_is_not_its_own_baseline():
+    """`2x max(20) for 3` on a lasting 10x jump: fires on the 3rd elevated value (with the jump in
+    the baseline, max would double each step and it never would)."""
+    engine = AlertEngine([parse_rule("update_norm[voter] > 2x max(20) for 3")])
+    values = [1.0 + 0.01 * (t % 3) for t in range(20)] + [10.0] * 10
+    fired = [t for t, v in enumerate(values) if engine.observe(t, {"update_norm[voter]": v})]
+    assert fired == [22]
+
+
 def test_nonfinite_rule():
     engine = AlertEngine([parse_rule("nonfinite cooldown 1")])
     got = [t for t, v in enumerate([0, 0, 1, 1, 0, 1]) if engine.observe(t, {"nonfinite": v})]
@@ -237,6 +253,19 @@ def test_only_wanted_statistics_are_computed():
     assert some["coherence[voter]"] == full["coherence[voter]"]
 
 
+def test_policy_metrics_are_named_before_any_record():
+    """SP with --probe none: update_rel/shared must be update_rel[shared] from the first step."""
+    sv = StepValues(AGENTS, ROLES, policies=["shared"])
+    assert sv.metrics({"update_rel/shared": 0.2})["update_rel[shared]"] == 0.2
+
+
+def test_without_token_counts_there_are_no_token_shares():
+    rng = np.random.default_rng(4)
+    gram, _, _, _ = synthetic_records(rng, 1)
+    v = StepValues(AGENTS, ROLES).records(gram + 0.1 * np.eye(4), None, ["shared"] * len(gram))
+    assert "share[voter]" in v and "token_share[voter]" not in v and "per_token_share[voter]" not in v
+
+
 def test_eval_values_smooth_like_the_cliff_detector():
     sv = StepValues(AGENTS, ROLES)
     accs = [0.5, 0.6, 0.3, 0.6, 0.4, 0.3, 0.2]
@@ -300,7 +329,7 @@ WRITER = textwrap.dedent("""
             w.log_metrics(step, {"update_norm/voter": 0.1})
             if step % 10 == 0:
                 w.log_eval(step, {"accuracy": 0.5})
-            time.sleep(0.05)
+            time.sleep(0.1)
     print("writer done", flush=True)
 """)
 
@@ -315,14 +344,16 @@ def test_watch_follows_a_live_writer(tmp_path):
             if run.exists():
                 break
             time.sleep(0.05)
-        watch = subprocess.run([*GRADSCOPE, "watch", str(run), "--poll", "0.1", "--no-default-alerts",
-                                "--alert", "coherence[voter] > 0.9 for 5"],
-                               capture_output=True, text=True, timeout=120)
+        watch = subprocess.Popen([*GRADSCOPE, "watch", str(run), "--poll", "0.1", "--no-default-alerts",
+                                  "--alert", "coherence[voter] > 0.9 for 5"], stdout=subprocess.PIPE, text=True)
+        first = watch.stdout.readline()
+        assert first.startswith("watching") and writer.poll() is None  # following live, not replaying
+        rest, _ = watch.communicate(timeout=120)
         assert writer.wait(timeout=60) == 0
     finally:
         writer.kill()
-    assert watch.returncode == 0, watch.stderr
-    out = watch.stdout.splitlines()
+    assert watch.returncode == 0
+    out = [first.rstrip("\n"), *rest.splitlines()]
     alerts = [line for line in out if "alert at step" in line]
     assert len(alerts) == 1 and "alert at step 24:" in alerts[0], out  # aligned from 20, for 5 → 24
     assert out[-1].startswith(f"writer closed {run} (last step 40): 1 alerts")
@@ -349,6 +380,40 @@ def test_watch_replays_a_finished_run_like_the_monitor(tmp_path):
     replay = watch(str(tmp_path / "r.h5"), rules, poll=0.01, echo=lambda s: None)
     assert [(a.step, a.key) for a in replay] == [(a.step, a.key) for a in live.fired]
     assert (12, "grad_norm[voter]") in [(a.step, a.key) for a in replay]
+
+
+def test_unlogged_scalars_are_not_nonfinite(tmp_path):
+    meta = RunMeta(agents=AGENTS, agent_roles=ROLES, roles=["voter", "aggregator"], scalar_names=["loss", "kl"])
+    with RunWriter(tmp_path / "r.h5", meta) as w:
+        for step in (1, 2, 3):
+            w.log_step(step, np.eye(4), np.ones(4), scalars={"loss": 0.5})  # kl not logged: stored NaN
+    from gradscope.alerts.watch import watch
+    fired = watch(str(tmp_path / "r.h5"), [parse_rule("nonfinite"), parse_rule("opt.loss[*] > 0.1")],
+                  poll=0.01, echo=lambda s: None)
+    assert [(a.rule.statistic, a.step) for a in fired] == [("opt.loss", 1)]
+
+
+def test_catch_up_restores_the_rules_state(tmp_path):
+    """A resumed run's monitor continues from the kept steps: the accuracy peak before the resume
+    point still counts, and nothing is acted on while catching up."""
+    from gradscope.alerts.watch import catch_up
+
+    meta = RunMeta(agents=AGENTS, agent_roles=ROLES, roles=["voter", "aggregator"])
+    with RunWriter(tmp_path / "r.h5", meta) as w:
+        for step, acc in ((0, 0.6), (1, 0.6), (2, 0.6), (3, 0.1)):
+            w.log_step(step, np.eye(4), np.ones(4)) if step else None
+            w.log_eval(step, {"accuracy": acc})
+    rule = parse_rule("acc_drop > 0.1: stop")
+    lines: list[str] = []
+    resumed = Monitor([rule], AGENTS, ROLES, echo=lines.append, stop=lambda a: None)
+    catch_up(str(tmp_path / "r.h5"), resumed, below_step=3)  # keeps steps 0-2 (peak 0.6)
+    assert not resumed.fired and not lines and resumed.stop_requested is None
+    for acc in (0.3, 0.3):
+        resumed.evals(3, {"accuracy": acc})
+    fresh = Monitor([rule], AGENTS, ROLES, echo=lines.append)
+    for acc in (0.3, 0.3):
+        fresh.evals(3, {"accuracy": acc})
+    assert len(resumed.fired) == 1 and resumed.stop_requested is not None and not fresh.fired
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -40,7 +40,8 @@ def test_checkpoint_action_writes_loadable_adapters(tmp_path):
 
     from trainers.testbed.warmstart import warm_started_model
 
-    cfg = small(tmp_path, steps=2, alert=["grad_norm[voter] > 0 cooldown 100: checkpoint"], default_alerts=False)
+    cfg = small(tmp_path, steps=2, default_alerts=False,
+                alert=["grad_norm[voter] > 0 cooldown 100: checkpoint", "acc_drop >= 0 cooldown 100: checkpoint"])
     trainer = Trainer(cfg, echo=lambda line: None)
     at_step: dict[int, dict[str, torch.Tensor]] = {}
     trainer.run(on_step=lambda step, _: at_step.setdefault(step, {
@@ -53,9 +54,10 @@ def test_checkpoint_action_writes_loadable_adapters(tmp_path):
             assert torch.equal(p, at_step[1][name]) and not torch.equal(p, at_step[2][name])
             compared += 1
     assert compared > 0
+    assert (Path(cfg.out + ".ckpt") / "step0" / "state.pt").is_file()  # fired by the base evaluation
     with open_run(cfg.out) as run:
         ev = run.events
-        assert ev["kind"].tolist() == ["alert", "checkpoint"] and ev["step"].tolist() == [1, 1]
+        assert ev["kind"].tolist() == ["alert", "checkpoint"] * 2 and ev["step"].tolist() == [0, 0, 1, 1]
 
 
 def test_nonfinite_fires_on_an_injected_nan_gradient(tmp_path):
