@@ -13,6 +13,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +97,8 @@ class Trainer:
         self.verbose = verbose and dist.is_main
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
-        with dist.main_first():  # rank 0 builds the testbed's warm-start cache, the others load it
+        # rank 0 builds the testbed's warm-start cache, the others then load it
+        with dist.main_first() if cfg.model == "testbed" else nullcontext():
             base, tok, style = load_base(cfg.model, cfg.seed, verbose=self.verbose)
         self.policy = parse_policy(cfg.policy, list(dict.fromkeys(workflow_cls.agent_roles.values())))
         self.model = attach_adapters(base, self.policy.adapters, LoraSpec(cfg.lora_rank, cfg.lora_alpha), cfg.seed)
