@@ -32,7 +32,7 @@ class Follower:
         run = self.run.refresh()
         closed = run.closed
         rec_step = run.read("step", self.next["records"])
-        tables = {t: run.read_table(t)[self.next[t]:] for t in (schema.EVALS, schema.METRICS)}
+        tables = {t: run.read_table(t, start=self.next[t]) for t in (schema.EVALS, schema.METRICS)}
         seen = [int(a.max()) for a in (rec_step, *(t["step"] for t in tables.values())) if len(a)]
         if not seen:
             return []

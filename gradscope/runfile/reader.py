@@ -310,11 +310,16 @@ class RunReader:
 
     # --- evaluations, metrics and events -------------------------------------------------------
 
-    def read_table(self, name: str) -> np.ndarray:
+    def read_table(self, name: str, start: int = 0) -> np.ndarray:
         """The committed rows of ``/evals``, ``/events`` or ``/metrics`` as stored (a structured
-        array; strings as fixed-width UTF-8 bytes). Cached until :meth:`refresh`."""
+        array; strings as fixed-width UTF-8 bytes). Cached until :meth:`refresh`; rows from
+        ``start`` on (for followers of a live file) are read without the cache."""
         if name not in self._table_ds:
             raise KeyError(f"no table {name!r}; have {sorted(self._table_ds)}")
+        if start:
+            n = self._counts[schema.TABLES[name][1]]
+            with self._errors(f"reading /{name}"):
+                return self._table_ds[name][min(start, n):n]
         key = f"/{name}"
         if key not in self._cache:
             n = self._counts[schema.TABLES[name][1]]

@@ -677,3 +677,15 @@ def test_open_run_raises_run_file_error(tmp_path: Path) -> None:
         open_run(bad)
     with pytest.raises(RunFileError, match="no such file"):
         RunReader(tmp_path / "missing.h5")
+
+
+def test_read_table_from_an_offset(tmp_path):
+    meta = RunMeta(agents=["a", "b"], agent_roles=["r", "r"], roles=["r"])
+    with RunWriter(tmp_path / "t.h5", meta) as w:
+        for step in range(5):
+            w.log_eval(step, {"accuracy": step / 10})
+    with open_run(tmp_path / "t.h5") as run:
+        whole = run.read_table("evals")
+        assert len(whole) == 5
+        np.testing.assert_array_equal(run.read_table("evals", start=2), whole[2:])
+        assert len(run.read_table("evals", start=9)) == 0
