@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run file (.h5), live or finished")
     add_alert_arguments(p)
     p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the file (default 1)")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="wait up to this many seconds for the run file to appear (default 0: it must exist)")
     p.add_argument("--idle", type=float, default=0.0,
                    help="also exit after this many seconds without new data (default 0: wait for the writer)")
     p.set_defaults(func=_cmd_watch)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 
 from gradscope.alerts.rules import DEFAULT_RULES, Rule, load_rules, parse_rule
@@ -29,13 +30,21 @@ def collect_rules(texts: Sequence[str], file: str | None, defaults: bool) -> lis
 
 def watch_main(args: argparse.Namespace) -> int:
     from gradscope.alerts.watch import watch
-    from gradscope.errors import ConfigError
+    from gradscope.errors import ConfigError, RunFileError
     from gradscope.runfile import open_run
 
     rules = collect_rules(args.alert, args.alerts, args.default_alerts)
     if args.poll <= 0:
         raise ConfigError("--poll must be > 0 seconds")
-    open_run(args.run).close()  # a missing or broken file fails here, as one line
+    deadline = time.monotonic() + args.wait
+    while True:  # a missing or broken file fails here, as one line (after --wait seconds of retries)
+        try:
+            open_run(args.run).close()
+            break
+        except RunFileError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(args.poll)
     watch(args.run, rules, poll=args.poll, idle=args.idle, echo=lambda line: print(line, flush=True))
     return 0
 

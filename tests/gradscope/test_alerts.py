@@ -340,11 +340,8 @@ def test_watch_follows_a_live_writer(tmp_path):
     script.write_text(WRITER)
     writer = subprocess.Popen([sys.executable, str(script), str(run)], stdout=subprocess.PIPE, text=True)
     try:
-        for _ in range(200):  # wait for the file to exist
-            if run.exists():
-                break
-            time.sleep(0.05)
-        watch = subprocess.Popen([*GRADSCOPE, "watch", str(run), "--poll", "0.1", "--no-default-alerts",
+        # started at once: --wait covers the writer's start-up before the file exists
+        watch = subprocess.Popen([*GRADSCOPE, "watch", str(run), "--wait", "60", "--poll", "0.1", "--no-default-alerts",
                                   "--alert", "coherence[voter] > 0.9 for 5"], stdout=subprocess.PIPE, text=True)
         first = watch.stdout.readline()
         assert first.startswith("watching") and writer.poll() is None  # following live, not replaying
