@@ -33,19 +33,18 @@ class TimedMonitor(Monitor):
 
     spent = 0.0
 
-    def step(self, *args, **kw):
+    def _timed(self, call, *args, **kw):
         t = time.perf_counter()
         try:
-            return super().step(*args, **kw)
+            return call(*args, **kw)
         finally:
             self.spent += time.perf_counter() - t
 
+    def step(self, *args, **kw):
+        return self._timed(super().step, *args, **kw)
+
     def metrics(self, *args, **kw):
-        t = time.perf_counter()
-        try:
-            return super().metrics(*args, **kw)
-        finally:
-            self.spent += time.perf_counter() - t
+        return self._timed(super().metrics, *args, **kw)
 
 
 def main(steps: int = 12) -> dict[str, float]:

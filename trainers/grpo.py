@@ -190,10 +190,10 @@ class GRPOUpdater:
             optimizer.zero_grad(set_to_none=True)
         if result is None:
             return None
-        loss, clipped, kl = dist.sum(totals)
+        loss, clipped, kl, samples = dist.sum([*totals, len(batch)])  # one collective for all four
         return OptimizerStep(adapter, result, {
             "loss": loss, "clip_frac": clipped / max(n_tokens, 1), "grad_norm": grad_norm,
-            "lr": optimizer.param_groups[0]["lr"], "samples": int(dist.sum([len(batch)])[0]),
+            "lr": optimizer.param_groups[0]["lr"], "samples": int(samples),
             "tokens": n_tokens, "kl": kl / max(n_tokens, 1)})
 
     def _token_loss(self, adapter: str, batch: Sequence[TrainSample], n_tokens: int

@@ -322,15 +322,18 @@ def test_uncovered_parameters_refused_or_split():
     assert Probe(None, AGENTS, ROLES, params=list(model.parameters())).method_name == "split"
 
 
+class Leaky(nn.Module):
+    """A Linear whose weight is also used outside the layer: the second use is invisible to hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)
+
+
 def test_weight_used_outside_its_layer_is_caught():
-    class Leaky(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)  # the second use is invisible to hooks
-
     model = Leaky()
     x = torch.randn(4, 3, 4)
     probe = Probe(model, AGENTS, ROLES, method="hooks")

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -23,7 +22,7 @@ from gradscope.probe import Probe
 from gradscope.probe.hooks import HooksMethod
 from gradscope.probe.sketch import PRIME, Sketch, SketchStore, hash_coefficients, signed_buckets
 from gradscope.probe.store import FlatStore
-from tests.gradscope.test_hooks import LMCase, grads, lora_model, run
+from tests.gradscope.test_hooks import Leaky, LMCase, grads, lora_model, run
 from tests.gradscope.test_probe import AGENTS, ROLES, rel_err
 
 K_SKETCH = 64
@@ -199,13 +198,6 @@ def test_split_and_hooks_sketch_alike_and_grad_is_unchanged():
 
 
 def _leaky():
-    class Leaky(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)  # the second use is invisible to hooks
     torch.manual_seed(0)
     return Leaky()
 
