@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analyses.findings import Finding
-from analyses.series import RunSeries
-from analyses.windows import episodes, rolling_slope, sustained
+from gradscope.analyses.findings import Finding
+from gradscope.analyses.series import RunSeries
+from gradscope.analyses.windows import episodes, rolling_slope, sustained
 
 
 @dataclass(frozen=True)

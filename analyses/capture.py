@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analyses.findings import Finding
-from analyses.series import RunSeries
-from analyses.windows import episodes, sustained
+from gradscope.analyses.findings import Finding
+from gradscope.analyses.series import RunSeries
+from gradscope.analyses.windows import episodes, sustained
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import argparse
 
-from analyses.amplification import AmplificationConfig
-from analyses.capture import CaptureConfig
-from analyses.cliff import CliffConfig
-from analyses.compare import compare_table
-from analyses.findings import Report
-from analyses.report import KINDS, AnalysisConfig, analyze_series, to_json, to_markdown, to_text
-from analyses.series import RunSeries
+from gradscope.analyses.amplification import AmplificationConfig
+from gradscope.analyses.capture import CaptureConfig
+from gradscope.analyses.cliff import CliffConfig
+from gradscope.analyses.compare import compare_table
+from gradscope.analyses.findings import Report
+from gradscope.analyses.report import KINDS, AnalysisConfig, analyze_series, to_json, to_markdown, to_text
+from gradscope.analyses.series import RunSeries
 from gradscope.errors import ConfigError
 from gradscope.runfile import open_run
 

@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 from scipy.ndimage import median_filter
 
-from analyses.findings import Finding
-from analyses.lead import lead_indicators
-from analyses.series import RunSeries
+from gradscope.analyses.findings import Finding
+from gradscope.analyses.lead import lead_indicators
+from gradscope.analyses.series import RunSeries
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from analyses.findings import Report
+from gradscope.analyses.findings import Report
 
 COLUMNS = ("run", "workflow", "task", "policy", "base", "peak", "final", "Δ vs base", "cliff (onset)",
            "max coherence", "dominant share")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from analyses.series import RunSeries
+from gradscope.analyses.series import RunSeries
 
 BASELINE, Z, REL, PERSIST = 20, 3.0, 0.25, 3
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analyses.amplification import AmplificationConfig, detect_amplification
-from analyses.capture import CaptureConfig, detect_capture
-from analyses.cliff import CliffConfig, detect_cliff
-from analyses.findings import Finding, Report
-from analyses.series import RunSeries
+from gradscope.analyses.amplification import AmplificationConfig, detect_amplification
+from gradscope.analyses.capture import CaptureConfig, detect_capture
+from gradscope.analyses.cliff import CliffConfig, detect_cliff
+from gradscope.analyses.findings import Finding, Report
+from gradscope.analyses.series import RunSeries
 
 KINDS = ("amplification", "capture", "cliff")
 

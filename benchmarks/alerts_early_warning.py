@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from analyses.cli import load  # noqa: E402
-from analyses.report import AnalysisConfig, analyze_series  # noqa: E402
+from gradscope.analyses.cli import load  # noqa: E402
+from gradscope.analyses.report import AnalysisConfig, analyze_series  # noqa: E402
 from gradscope.alerts import DEFAULT_RULES  # noqa: E402
 from gradscope.alerts.watch import watch  # noqa: E402
 

@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from analyses.cli import load  # noqa: E402
-from analyses.report import analyze_series, to_json, to_text  # noqa: E402
-from analyses.series import RunSeries  # noqa: E402
+from gradscope.analyses.cli import load  # noqa: E402
+from gradscope.analyses.report import analyze_series, to_json, to_text  # noqa: E402
+from gradscope.analyses.series import RunSeries  # noqa: E402
 from tests.analyses import synthetic as syn  # noqa: E402
 
 GOAL_S = 2.0

@@ -47,7 +47,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 from gradscope.probe import Probe  # noqa: E402
-from trainers.testbed.model import build_testbed_model  # noqa: E402
+from gradscope.trainers.testbed.model import build_testbed_model  # noqa: E402
 
 GOAL = 1.10
 #: name → (model sizes, LoRA rank, rows B, tokens per row T, warm-up, repetitions)

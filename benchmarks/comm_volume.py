@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from gradscope.probe import Probe, Sketch  # noqa: E402
 from gradscope.probe.groups import by_layer  # noqa: E402
-from trainers.testbed.model import build_testbed_model  # noqa: E402
+from gradscope.trainers.testbed.model import build_testbed_model  # noqa: E402
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)

@@ -20,9 +20,9 @@ import numpy as np
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
-from figures import data
-from figures.data import RunLike
-from figures.style import DIVERGING, new_figure, role_color, theme
+from gradscope.figures import data
+from gradscope.figures.data import RunLike
+from gradscope.figures.style import DIVERGING, new_figure, role_color, theme
 from gradscope.errors import ConfigError
 
 

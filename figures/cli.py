@@ -17,8 +17,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: never open a window, never need a display
 
-from figures import data  # noqa: E402
-from figures.style import parse_formats, save  # noqa: E402
+from gradscope.figures import data  # noqa: E402
+from gradscope.figures.style import parse_formats, save  # noqa: E402
 from gradscope.errors import ConfigError  # noqa: E402
 
 KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep")
@@ -52,11 +52,11 @@ def default_stem(first_run: str, kind: str) -> Path:
 
 
 def make_figure(kind: str, series: list, args: argparse.Namespace):
-    from figures.alignment import alignment_figure
-    from figures.cliffs import cliff_figure
-    from figures.ipsp import ip_vs_sp_figure
-    from figures.shares import shares_figure
-    from figures.sweep import sweep_figure
+    from gradscope.figures.alignment import alignment_figure
+    from gradscope.figures.cliffs import cliff_figure
+    from gradscope.figures.ipsp import ip_vs_sp_figure
+    from gradscope.figures.shares import shares_figure
+    from gradscope.figures.sweep import sweep_figure
 
     if kind == "cliffs":
         return cliff_figure(series, size=args.size, smooth=args.smooth)
@@ -89,7 +89,7 @@ def plot_main(args: argparse.Namespace) -> int:
 
 
 def table_main(args: argparse.Namespace) -> int:
-    from figures.table import format_table, summary_table
+    from gradscope.figures.table import format_table, summary_table
 
     text = format_table(summary_table(_load(args.runs)), args.format)
     if args.out:

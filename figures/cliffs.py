@@ -27,9 +27,9 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 from matplotlib.transforms import blended_transform_factory
 
-from figures import data, panels
-from figures.data import RunLike
-from figures.style import NEUTRAL, is_no_data, new_figure, role_color, theme
+from gradscope.figures import data, panels
+from gradscope.figures.data import RunLike
+from gradscope.figures.style import NEUTRAL, is_no_data, new_figure, role_color, theme
 
 ROWS = ("accuracy", "grad_norm", "coherence", "shares", "alignment")
 YLABELS = {

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from analyses.cliff import detect_cliff
-from analyses.findings import Finding
-from analyses.series import RunSeries
+from gradscope.analyses.cliff import detect_cliff
+from gradscope.analyses.findings import Finding
+from gradscope.analyses.series import RunSeries
 from gradscope.errors import ConfigError
 
 RunLike = RunSeries | str | os.PathLike
@@ -27,7 +27,7 @@ RunLike = RunSeries | str | os.PathLike
 
 def load(path: str | os.PathLike) -> tuple[RunSeries, bool]:
     """(series, closed) of a run file; RunFileError (one line) if it cannot be read."""
-    from analyses.cli import load as _load
+    from gradscope.analyses.cli import load as _load
 
     return _load(os.fspath(path))
 

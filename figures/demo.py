@@ -5,8 +5,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from figures import data
-from figures.style import save
+from gradscope.figures import data
+from gradscope.figures.style import save
 from gradscope.errors import GradscopeError
 
 
@@ -23,11 +23,11 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
     ``summary.md``. A figure that does not apply (e.g. shares of an IP run) is skipped and
     ``on_skip`` is told why; unreadable run files raise RunFileError. Returns the paths written.
     """
-    from figures.alignment import alignment_figure
-    from figures.cliffs import cliff_figure
-    from figures.ipsp import ip_vs_sp_figure
-    from figures.shares import shares_figure
-    from figures.table import format_table, summary_table
+    from gradscope.figures.alignment import alignment_figure
+    from gradscope.figures.cliffs import cliff_figure
+    from gradscope.figures.ipsp import ip_vs_sp_figure
+    from gradscope.figures.shares import shares_figure
+    from gradscope.figures.table import format_table, summary_table
 
     series = [data.load(p)[0] for p in paths]
     if not series:

@@ -21,9 +21,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from figures import data
-from figures.data import RunLike
-from figures.style import ACCURACY_COLOR, CLIFF_COLOR, NEUTRAL, new_figure, policy_color, theme
+from gradscope.figures import data
+from gradscope.figures.data import RunLike
+from gradscope.figures.style import ACCURACY_COLOR, CLIFF_COLOR, NEUTRAL, new_figure, policy_color, theme
 from gradscope.errors import ConfigError
 
 ORDER = {"ip": 0, "sp": 1}

@@ -1,6 +1,6 @@
 """Make the figures of docs/figures.md from run files.
 
-    python -m figures.make_docs --ip out/demo/ip.h5 --sp out/demo/sp.h5 \\
+    python -m gradscope.figures.make_docs --ip out/demo/ip.h5 --sp out/demo/sp.h5 \\
         --cliff out/hot/ip.h5 out/hot/sp.h5 --out docs/img
 
 ``--ip``/``--sp``: a healthy IP and SP pair (e.g. the demo's runs); ``--cliff``: runs that fell off
@@ -17,14 +17,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from figures import data  # noqa: E402
-from figures.alignment import alignment_figure  # noqa: E402
-from figures.cliffs import cliff_figure  # noqa: E402
-from figures.ipsp import ip_vs_sp_figure  # noqa: E402
-from figures.shares import shares_figure  # noqa: E402
-from figures.style import save  # noqa: E402
-from figures.sweep import sweep_figure  # noqa: E402
-from figures.table import format_table, summary_table  # noqa: E402
+from gradscope.figures import data  # noqa: E402
+from gradscope.figures.alignment import alignment_figure  # noqa: E402
+from gradscope.figures.cliffs import cliff_figure  # noqa: E402
+from gradscope.figures.ipsp import ip_vs_sp_figure  # noqa: E402
+from gradscope.figures.shares import shares_figure  # noqa: E402
+from gradscope.figures.style import save  # noqa: E402
+from gradscope.figures.sweep import sweep_figure  # noqa: E402
+from gradscope.figures.table import format_table, summary_table  # noqa: E402
 
 DPI = 200
 
@@ -53,7 +53,7 @@ def make(ip: list[str], sp: list[str], cliff: list[str], out: Path) -> list[Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m figures.make_docs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m gradscope.figures.make_docs", description=__doc__.split("\n\n")[0])
     p.add_argument("--ip", nargs="+", required=True, help="IP run file(s)")
     p.add_argument("--sp", nargs="+", required=True, help="SP run file(s)")
     p.add_argument("--cliff", nargs="*", default=[], help="run files with an accuracy cliff")

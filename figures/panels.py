@@ -15,10 +15,10 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from analyses.findings import Finding
-from analyses.series import RunSeries
-from figures import data
-from figures.style import ACCURACY_COLOR, CLIFF_COLOR, NEUTRAL, mark_no_data, role_color
+from gradscope.analyses.findings import Finding
+from gradscope.analyses.series import RunSeries
+from gradscope.figures import data
+from gradscope.figures.style import ACCURACY_COLOR, CLIFF_COLOR, NEUTRAL, mark_no_data, role_color
 
 AMPLIFICATION_THRESHOLD = 0.75   # analyses.amplification default coherence
 CAPTURE_THRESHOLD = 0.7          # analyses.capture default share

@@ -21,10 +21,10 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from analyses.capture import detect_capture
-from figures import data, panels
-from figures.data import RunLike
-from figures.style import new_figure, role_color, theme
+from gradscope.analyses.capture import detect_capture
+from gradscope.figures import data, panels
+from gradscope.figures.data import RunLike
+from gradscope.figures.style import new_figure, role_color, theme
 from gradscope.errors import ConfigError
 
 ROWS = ("shares", "token_share", "per_token_share")

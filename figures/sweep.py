@@ -20,10 +20,10 @@ import numpy as np
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
-from figures import data
-from figures.data import RunLike
-from figures.ipsp import ORDER
-from figures.style import DIVERGING, new_figure, policy_color, theme, width
+from gradscope.figures import data
+from gradscope.figures.data import RunLike
+from gradscope.figures.ipsp import ORDER
+from gradscope.figures.style import DIVERGING, new_figure, policy_color, theme, width
 from gradscope.errors import ConfigError
 
 METRICS = ("final", "peak")

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from figures import data
-from figures.data import RunLike
+from gradscope.figures import data
+from gradscope.figures.data import RunLike
 from gradscope.errors import ConfigError
 
 FORMATS = ("md", "csv", "latex")

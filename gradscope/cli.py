@@ -30,9 +30,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from analyses.cli import analyze_runs
-    from figures.demo import demo_figures
-    from trainers.demo import run_demo
+    from gradscope.analyses.cli import analyze_runs
+    from gradscope.figures.demo import demo_figures
+    from gradscope.trainers.demo import run_demo
 
     paths = [str(p) for p in run_demo(args.out, steps=args.steps)]
     print("\n" + analyze_runs(paths))
@@ -43,19 +43,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from trainers.cli import train_main  # torch and the trainer stack load only for this command
+    from gradscope.trainers.cli import train_main  # torch and the trainer stack load only for this command
 
     return train_main(args.args)
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    from analyses.cli import analyze_main
+    from gradscope.analyses.cli import analyze_main
 
     return analyze_main(args)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from analyses.cli import compare_main
+    from gradscope.analyses.cli import compare_main
 
     return compare_main(args)
 
@@ -67,13 +67,13 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from figures.cli import plot_main  # matplotlib loads only for this command
+    from gradscope.figures.cli import plot_main  # matplotlib loads only for this command
 
     return plot_main(args)
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
-    from figures.cli import table_main
+    from gradscope.figures.cli import table_main
 
     return table_main(args)
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="training steps per run")
     p.set_defaults(func=_cmd_demo)
 
-    from analyses.cli import add_threshold_arguments  # numpy/pandas only, no torch
+    from gradscope.analyses.cli import add_threshold_arguments  # numpy/pandas only, no torch
 
     p = sub.add_parser("analyze", help="detect amplification, role capture and accuracy cliffs in a run")
     p.add_argument("run", help="run file (.h5)")

@@ -9,9 +9,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gradscope.cli import ArgumentParser
-from trainers.config import add_arguments, from_arguments
-from trainers.distributed import world_size_from_env
-from trainers.train import Trainer
+from gradscope.trainers.config import add_arguments, from_arguments
+from gradscope.trainers.distributed import world_size_from_env
+from gradscope.trainers.train import Trainer
 
 
 def run_with_progress(trainer: Trainer) -> Path:

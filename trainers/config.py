@@ -8,8 +8,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from trainers.flags import flag
-from trainers.grpo import GRPOConfig
+from gradscope.trainers.flags import flag
+from gradscope.trainers.grpo import GRPOConfig
 
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from gradscope.runfile import open_run
-from trainers.cli import run_with_progress
-from trainers.config import TrainConfig
-from trainers.train import Trainer
+from gradscope.trainers.cli import run_with_progress
+from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.train import Trainer
 
 
 def run_demo(out_dir: str | Path, steps: int = 100) -> list[Path]:

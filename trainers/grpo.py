@@ -24,11 +24,11 @@ import torch
 
 from gradscope.peft_support import use_adapter
 from gradscope.probe import Probe, StepResult
-from trainers.distributed import Dist
-from trainers.flags import flag
-from trainers.policy import PolicyMap
-from trainers.rollout import pack, token_logprobs
-from trainers.workflows.base import Episode, Turn
+from gradscope.trainers.distributed import Dist
+from gradscope.trainers.flags import flag
+from gradscope.trainers.policy import PolicyMap
+from gradscope.trainers.rollout import pack, token_logprobs
+from gradscope.trainers.workflows.base import Episode, Turn
 
 #: Scalars logged with every optimizer step (the run file's per-record scalars).
 STEP_SCALARS = ["loss", "clip_frac", "grad_norm", "lr", "samples", "tokens", "kl"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from trainers.sandbox import Limits, check_program
-from trainers.tasks import answers_match, extract_answer, sandbox_args
-from trainers.tasks.base import Task
-from trainers.workflows.base import Episode
+from gradscope.trainers.sandbox import Limits, check_program
+from gradscope.trainers.tasks import answers_match, extract_answer, sandbox_args
+from gradscope.trainers.tasks.base import Task
+from gradscope.trainers.workflows.base import Episode
 
 
 def solver_answer(task: Task, text: str) -> tuple[str | None, bool]:

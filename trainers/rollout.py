@@ -6,8 +6,8 @@ from collections.abc import Sequence
 import torch
 
 from gradscope.peft_support import use_adapter
-from trainers.policy import PolicyMap
-from trainers.workflows.base import Sample
+from gradscope.trainers.policy import PolicyMap
+from gradscope.trainers.workflows.base import Sample
 
 
 class Sampler:

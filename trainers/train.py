@@ -26,18 +26,18 @@ from gradscope.errors import ConfigError
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter
-from trainers.checkpoint import load_checkpoint, save_checkpoint
-from trainers.config import TrainConfig
-from trainers.distributed import Dist, NullWriter, world_size_from_env
-from trainers.grpo import STEP_SCALARS, GRPOUpdater
-from trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
-from trainers.policy import parse_policy
-from trainers.reward import Scorer, solver_answer
-from trainers.rollout import Sampler
-from trainers.tasks import answers_match, load_tasks
-from trainers.tasks.base import Task, TaskSet
-from trainers.workflows import WORKFLOWS, Templates
-from trainers.workflows.base import Episode, Workflow
+from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
+from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
+from gradscope.trainers.grpo import STEP_SCALARS, GRPOUpdater
+from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
+from gradscope.trainers.policy import parse_policy
+from gradscope.trainers.reward import Scorer, solver_answer
+from gradscope.trainers.rollout import Sampler
+from gradscope.trainers.tasks import answers_match, load_tasks
+from gradscope.trainers.tasks.base import Task, TaskSet
+from gradscope.trainers.workflows import WORKFLOWS, Templates
+from gradscope.trainers.workflows.base import Episode, Workflow
 
 PROBE_SPECS = ("gram", "gram,groups", "none")
 SOLVER_ROLES = ("voter", "generator", "worker")

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from analyses.series import RunSeries
+from gradscope.analyses.series import RunSeries
 
 DIM = 64
 

@@ -297,8 +297,8 @@ def test_compare_markdown(results, files) -> None:
 @pytest.mark.parametrize("policy", ["sp", "ip"])
 def test_write_run_round_trip(tmp_path: Path, policy: str) -> None:
     """``synthetic.write_run`` stores exactly the series: same arrays, same report."""
-    from analyses.cli import load
-    from analyses.report import analyze_series
+    from gradscope.analyses.cli import load
+    from gradscope.analyses.report import analyze_series
 
     series = syn.cliff_run(1, policy=policy)
     path = tmp_path / "run.h5"

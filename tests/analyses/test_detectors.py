@@ -17,12 +17,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analyses import (AnalysisConfig, CaptureConfig, analyze_series, detect_amplification, detect_capture,
+from gradscope.analyses import (AnalysisConfig, CaptureConfig, analyze_series, detect_amplification, detect_capture,
                       detect_cliff, find_cliffs)
-from analyses.findings import Finding
-from analyses.report import to_json, to_markdown, to_text
-from analyses.series import RunSeries
-from analyses.windows import episodes, rolling_slope, rolling_sum, sustained
+from gradscope.analyses.findings import Finding
+from gradscope.analyses.report import to_json, to_markdown, to_text
+from gradscope.analyses.series import RunSeries
+from gradscope.analyses.windows import episodes, rolling_slope, rolling_sum, sustained
 from tests.analyses import synthetic as syn
 
 DETECTORS = {"amplification": detect_amplification, "capture": detect_capture, "cliff": detect_cliff}

@@ -108,7 +108,7 @@ def test_table_formats(capsys, runs, tmp_path):
 
 
 def test_demo_figures(runs, tmp_path, capsys):
-    from figures import demo_figures
+    from gradscope.figures import demo_figures
 
     paths = demo_figures([runs["ip_cliff"], runs["sp_cliff"]], tmp_path)
     names = sorted(p.name for p in paths)

@@ -13,11 +13,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
-from figures import (alignment_figure, cliff_figure, format_table, ip_vs_sp_figure, role_color, save,  # noqa: E402
+from gradscope.figures import (alignment_figure, cliff_figure, format_table, ip_vs_sp_figure, role_color, save,  # noqa: E402
                      shares_figure, summary_table, sweep_figure)
-from figures import data  # noqa: E402
-from figures.cliffs import ROWS  # noqa: E402
-from figures.style import is_no_data  # noqa: E402
+from gradscope.figures import data  # noqa: E402
+from gradscope.figures.cliffs import ROWS  # noqa: E402
+from gradscope.figures.style import is_no_data  # noqa: E402
 from gradscope.errors import ConfigError  # noqa: E402
 
 ROLES = ["voter", "aggregator"]

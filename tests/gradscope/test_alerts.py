@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analyses.series import RunSeries
+from gradscope.analyses.series import RunSeries
 from gradscope.alerts import DEFAULT_RULES, AlertEngine, Monitor, StepValues, load_rules, parse_rule
 from gradscope.alerts.engine import min_history
 from gradscope.errors import ConfigError

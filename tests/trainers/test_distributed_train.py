@@ -137,7 +137,7 @@ def test_a_killed_rank_ends_the_job_without_hanging(tmp_path):
 def test_sketched_probe_in_training(tmp_path, k):
     """--probe-sketch K: the run file says so; IP adapters stay exactly orthogonal; the sketched
     total norm is close to the trainer's exact gradient norm (sd ≈ 1/√(2k) relative)."""
-    from trainers.train import Trainer
+    from gradscope.trainers.train import Trainer
 
     from .test_train import small
 

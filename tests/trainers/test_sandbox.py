@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from trainers import sandbox
-from trainers.sandbox import Limits, SandboxResult, check_program, run_program, sandbox_info
+from gradscope.trainers import sandbox
+from gradscope.trainers.sandbox import Limits, SandboxResult, check_program, run_program, sandbox_info
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="kernel-level isolation needs root")

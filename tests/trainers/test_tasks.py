@@ -1,4 +1,4 @@
-"""trainers.tasks: generators, splits, JSONL loaders, answer extraction, HumanEval and toy code.
+"""gradscope.trainers.tasks: generators, splits, JSONL loaders, answer extraction, HumanEval and toy code.
 
 Generated code is never executed in-process: canonical (our own or HumanEval's) and deliberately
 wrong completions are run in a subprocess only to check that the generated tests are consistent.
@@ -19,11 +19,11 @@ import pytest
 
 import gradscope.errors
 from gradscope.errors import GradscopeError
-from trainers.tasks import (Task, TaskError, TaskFileError, TaskSet, answers_match, build_program,
+from gradscope.trainers.tasks import (Task, TaskError, TaskFileError, TaskSet, answers_match, build_program,
                             extract_answer, generate_math, generate_toy_code, is_correct,
                             load_humaneval, load_math_jsonl, load_tasks, normalise_answer,
                             sandbox_args, split, toy_body, toy_program)
-from trainers.tasks import math as tmath
+from gradscope.trainers.tasks import math as tmath
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -174,7 +174,7 @@ def test_split_rejects_bad_requests():
 def test_generation_and_split_do_not_depend_on_hash_seed():
     script = (
         "import json\n"
-        "from trainers.tasks import generate_math, generate_toy_code, split, load_tasks\n"
+        "from gradscope.trainers.tasks import generate_math, generate_toy_code, split, load_tasks\n"
         "m = generate_math(40, 2, seed=3)\n"
         "s = split(m, n_held_out=10, seed=4)\n"
         "c = load_tasks('code', n_train=12, n_held_out=4, seed=9, level=3)\n"

@@ -15,12 +15,12 @@ import torch
 
 from gradscope.errors import ConfigError
 from gradscope.runfile import open_run
-from trainers.config import TrainConfig
-from trainers.grpo import GRPOConfig, advantages
-from trainers.policy import parse_policy
-from trainers.tasks.base import Task
-from trainers.train import Trainer
-from trainers.workflows.base import Episode, Sample
+from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.grpo import GRPOConfig, advantages
+from gradscope.trainers.policy import parse_policy
+from gradscope.trainers.tasks.base import Task
+from gradscope.trainers.train import Trainer
+from gradscope.trainers.workflows.base import Episode, Sample
 
 GRADSCOPE = [sys.executable, "-m", "gradscope.cli"]
 
@@ -133,7 +133,7 @@ def test_resume_continues_exactly(tmp_path):
 def test_checkpoint_adapters_load_with_peft(tmp_path):
     from peft import PeftModel
 
-    from trainers.testbed.warmstart import warm_started_model
+    from gradscope.trainers.testbed.warmstart import warm_started_model
 
     cfg = small(tmp_path, steps=1)
     trainer = Trainer(cfg)
@@ -203,8 +203,8 @@ def test_ctrl_c_leaves_a_readable_run_file(tmp_path):
 
 def test_local_model_path_and_chat_templates(tmp_path):
     """--model PATH loads a local folder (no download) and uses the chat template when it has one."""
-    from trainers.testbed.model import build_testbed_model
-    from trainers.testbed.tokenizer import build_tokenizer
+    from gradscope.trainers.testbed.model import build_testbed_model
+    from gradscope.trainers.testbed.tokenizer import build_tokenizer
 
     folder = tmp_path / "model"
     tok = build_tokenizer()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
-from trainers.testbed.tokenizer import build_tokenizer
+from gradscope.trainers.testbed.tokenizer import build_tokenizer
 
 
 def testbed_config(vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4,

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from trainers.tasks import generate_math, generate_toy_code
-from trainers.tasks.base import Task
-from trainers.testbed.model import build_testbed_model
-from trainers.testbed.tokenizer import build_tokenizer
-from trainers.workflows.templates import Templates
+from gradscope.trainers.tasks import generate_math, generate_toy_code
+from gradscope.trainers.tasks.base import Task
+from gradscope.trainers.testbed.model import build_testbed_model
+from gradscope.trainers.testbed.tokenizer import build_tokenizer
+from gradscope.trainers.workflows.templates import Templates
 
 STRATEGIES = {"math": "col|tens|swap", "code": "direct|expand|check"}
 
@@ -147,11 +147,11 @@ def cache_dir() -> Path:
 
 def cache_key(cfg: WarmStartConfig) -> str:
     """Changes whenever the config or the code that builds the traces, tasks or model changes."""
-    import trainers.tasks.code as code
-    import trainers.tasks.math as math_tasks
-    import trainers.testbed.model as model
-    import trainers.testbed.tokenizer as tokenizer
-    import trainers.workflows.templates as templates
+    import gradscope.trainers.tasks.code as code
+    import gradscope.trainers.tasks.math as math_tasks
+    import gradscope.trainers.testbed.model as model
+    import gradscope.trainers.testbed.tokenizer as tokenizer
+    import gradscope.trainers.workflows.templates as templates
 
     h = hashlib.sha256(repr(sorted(asdict(cfg).items())).encode())
     for module in (inspect.getmodule(traces), code, math_tasks, model, tokenizer, templates):

@@ -10,8 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from trainers.tasks.base import Task
-from trainers.workflows.templates import Templates, parse_pick
+from gradscope.trainers.tasks.base import Task
+from gradscope.trainers.workflows.templates import Templates, parse_pick
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainers.tasks.base import Task
-from trainers.workflows.base import Episode, Generate, Solve, Workflow
-from trainers.workflows.templates import Templates, parse_verdict
+from gradscope.trainers.tasks.base import Task
+from gradscope.trainers.workflows.base import Episode, Generate, Solve, Workflow
+from gradscope.trainers.workflows.templates import Templates, parse_verdict
 
 
 class EvalOpt(Workflow):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainers.tasks.base import Task
-from trainers.workflows.base import Episode, Generate, Workflow
-from trainers.workflows.templates import pad_strategies, parse_plan
+from gradscope.trainers.tasks.base import Task
+from gradscope.trainers.workflows.base import Episode, Generate, Workflow
+from gradscope.trainers.workflows.templates import pad_strategies, parse_plan
 
 N_WORKERS = 3
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainers.tasks.base import Task
-from trainers.workflows.base import Episode, Generate, Workflow
+from gradscope.trainers.tasks.base import Task
+from gradscope.trainers.workflows.base import Episode, Generate, Workflow
 
 N_VOTERS = 3
 
