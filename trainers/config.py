@@ -22,6 +22,8 @@ class TrainConfig:
     task_level: int = flag(1, "difficulty level of generated tasks (1-3)")
     policy: str = flag("ip", "ip | sp | role=adapter,... (e.g. voter=a,aggregator=b)")
     model: str = flag("testbed", "'testbed' or a local Hugging Face causal-LM folder")
+    scale: str = flag("0.3M", "testbed size: 0.3M | 1.5M | 6M parameters (stand-ins for Qwen3 0.6B / 1.7B / 4B; "
+                              "each its own cached warm start)")
     steps: int = flag(200, "training steps")
     tasks_per_step: int = flag(8, "tasks per training step (each rolled out group_size times)")
     n_train: int = flag(2000, "generated training tasks (files and HumanEval: all not held out)")

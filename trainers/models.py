@@ -44,15 +44,16 @@ def device_and_dtype() -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-def load_base(model: str, seed: int, verbose: bool = False):
-    """(base model, tokenizer, template style) for ``model`` ('testbed' or a local path)."""
+def load_base(model: str, seed: int, verbose: bool = False, scale: str = "0.3M"):
+    """(base model, tokenizer, template style) for ``model`` ('testbed' at ``scale``, or a local path)."""
     check_model_path(model)
     device, dtype = device_and_dtype()
     if model == TESTBED:
-        from gradscope.trainers.testbed.tokenizer import build_tokenizer
         from gradscope.trainers.testbed.cache import warm_started_model
+        from gradscope.trainers.testbed.tokenizer import build_tokenizer
+        from gradscope.trainers.testbed.scales import SCALES
 
-        return warm_started_model(verbose=verbose).to(device), build_tokenizer(), "testbed"
+        return warm_started_model(SCALES[scale], verbose=verbose).to(device), build_tokenizer(), "testbed"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:

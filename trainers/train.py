@@ -36,6 +36,7 @@ from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
 from gradscope.trainers.tasks import answers_match, load_tasks
 from gradscope.trainers.tasks.base import Task, TaskSet
+from gradscope.trainers.testbed.scales import SCALES
 from gradscope.trainers.workflows import WORKFLOWS, Templates
 from gradscope.trainers.workflows.base import Episode, Workflow
 
@@ -66,6 +67,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
     check_model_path(cfg.model)
+    if cfg.scale not in SCALES:
+        raise ConfigError(f"unknown --scale {cfg.scale!r}; use one of {', '.join(SCALES)}")
     out = Path(cfg.out)
     if cfg.resume and not out.exists():
         raise ConfigError(f"--resume: {out} does not exist")
@@ -104,7 +107,7 @@ class Trainer:
         np.random.seed(cfg.seed)
         # rank 0 builds the testbed's warm-start cache, the others then load it
         with dist.main_first() if cfg.model == "testbed" else nullcontext():
-            base, tok, style = load_base(cfg.model, cfg.seed, verbose=self.verbose)
+            base, tok, style = load_base(cfg.model, cfg.seed, verbose=self.verbose, scale=cfg.scale)
         self.policy = parse_policy(cfg.policy, list(dict.fromkeys(workflow_cls.agent_roles.values())))
         self.model = attach_adapters(base, self.policy.adapters, LoraSpec(cfg.lora_rank, cfg.lora_alpha), cfg.seed)
         if dist.rank:  # identical adapters everywhere, different rollouts on each rank

@@ -32,13 +32,15 @@ from pathlib import Path
 import torch
 
 from gradscope.trainers.testbed.model import build_testbed_model
+from gradscope.trainers.testbed.scales import SCALES
 from gradscope.trainers.testbed.warmstart import WarmStartConfig, train_warm_start
 
 #: The build process's environment (on top of the caller's): the same float kernels on every x86-64
 #: CPU with AVX2, whatever the host's core count.
 BUILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2",
              "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-#: Build time of the default config (700 steps) on one idle core, for the message a first run prints.
+#: Build time of the default config (700 steps, 0.3M parameters) on one idle core, for the message a
+#: first run prints; larger scales take about this times their parameter count over 0.3M (fewer at 6M).
 EXPECTED_SECONDS = 100
 PINNED = Path(__file__).with_name("pinned.json")
 
@@ -150,21 +152,27 @@ def _build(cfg: WarmStartConfig, path: Path, verbose: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gradscope.trainers.testbed.cache build CONFIG_JSON OUT`` (the child of :func:`_build`),
-    or ``... pin``: build (or load) the default config and record its digest in ``pinned.json``."""
+    or ``... pin [SCALE ...]``: build (or load) the warm start of every scale (or of those named) and
+    record its digest in ``pinned.json``."""
     parser = argparse.ArgumentParser(prog="python -m gradscope.trainers.testbed.cache")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build")
     p.add_argument("config")
     p.add_argument("out")
-    sub.add_parser("pin", help="record the digest of the default warm start built here in pinned.json")
+    p = sub.add_parser("pin", help="record the digests of the warm starts built here in pinned.json")
+    p.add_argument("scales", nargs="*", metavar="SCALE", help=f"scales to pin: {', '.join(SCALES)} (default: all)")
     args = parser.parse_args(argv)
     if args.command == "pin":
-        cfg = WarmStartConfig()
-        digest = weights_digest(warm_started_model(cfg, verbose=True).state_dict())
+        unknown = [s for s in args.scales if s not in SCALES]
+        if unknown:
+            parser.error(f"unknown scale(s) {unknown}; use {', '.join(SCALES)}")
         pins = json.loads(PINNED.read_text()) if PINNED.exists() else {}
-        pins[config_id(cfg)] = {"digest": digest, "config": dataclasses.asdict(cfg)}
-        PINNED.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
-        print(f"pinned {config_id(cfg)}: {digest}")
+        for scale in args.scales or SCALES:
+            cfg = SCALES[scale]
+            digest = weights_digest(warm_started_model(cfg, verbose=True).state_dict())
+            pins[config_id(cfg)] = {"digest": digest, "scale": scale, "config": dataclasses.asdict(cfg)}
+            PINNED.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+            print(f"pinned {scale} ({config_id(cfg)}): {digest}")
         return 0
     torch.use_deterministic_algorithms(True)
     cfg = WarmStartConfig(**json.loads(args.config))
