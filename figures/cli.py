@@ -26,8 +26,11 @@ SINGLE = ("shares", "alignment")
 
 
 def _load(paths: list[str]) -> list:
+    """The runs of run-file arguments; a folder (a sweep's) stands for its finished runs."""
+    from gradscope.figures.sweepdir import expand_paths
+
     out = []
-    for path in paths:
+    for path in expand_paths(paths):
         series, closed = data.load(path)
         if not closed:
             print(f"gradscope: note: {path}: the writer did not close the file (live or killed); "
@@ -89,9 +92,10 @@ def plot_main(args: argparse.Namespace) -> int:
 
 
 def table_main(args: argparse.Namespace) -> int:
-    from gradscope.figures.table import format_table, summary_table
+    from gradscope.figures.table import format_table, seed_table, summary_table
 
-    text = format_table(summary_table(_load(args.runs)), args.format)
+    series = _load(args.runs)
+    text = seed_table(series, args.over, args.format) if args.over else format_table(summary_table(series), args.format)
     if args.out:
         out = Path(args.out)
         try:

@@ -60,11 +60,41 @@ def policy_of(series: RunSeries) -> str:
 
 
 def model_name(series: RunSeries) -> str:
-    """The model's short name: a local path is shown by its last component."""
+    """The model's short name: a local path is shown by its last component; the testbed with its
+    ``scale`` when the config has one (``testbed-1.5M``)."""
     value = series.config.get("model")
     if value is None or value == "":
         return "?"
+    if value == "testbed" and series.config.get("scale"):
+        return f"testbed-{series.config['scale']}"
     return Path(str(value).rstrip("/\\")).name or str(value)
+
+
+#: Config keys that say nothing about what was trained (where it was written, how it was run).
+RUN_KEYS = ("out", "overwrite", "resume", "threads", "world_size", "dist_timeout", "checkpoint_every")
+
+
+def flat_config(series: RunSeries) -> dict[str, object]:
+    """The run's config with nested sections (``grpo``) flattened into one level of flag names."""
+    out: dict[str, object] = {}
+    for key, value in series.config.items():
+        if isinstance(value, dict):
+            out.update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def varying_keys(series: Sequence[RunSeries], exclude: Sequence[str] = ()) -> list[str]:
+    """Flag names whose values differ between the runs (beyond :data:`RUN_KEYS`, ``exclude`` and
+    what :func:`describe` already shows), in config order."""
+    import json
+
+    shown = ("workflow", "task", "model", "scale", "policy")
+    configs = [flat_config(s) for s in series]
+    keys = list(dict.fromkeys(k for c in configs for k in c))
+    return [k for k in keys if k not in RUN_KEYS and k not in shown and k not in exclude
+            and len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
 
 
 def describe(series: RunSeries) -> dict[str, str]:

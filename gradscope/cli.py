@@ -72,6 +72,23 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return plot_main(args)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from gradscope.figures.sweepdir import write_report
+    from gradscope.trainers.sweep.cli import sweep_main
+
+    folder, outcome = sweep_main(args.config, args.out, args.jobs, dry_run=args.dry_run)
+    if outcome is None:
+        return 0
+    print(f"sweep: {len(outcome.done)} runs finished ({len(outcome.skipped)} before this invocation), "
+          f"{len(outcome.failed)} failed")
+    for name, log in outcome.failed.items():
+        print(f"  failed: {name} (log: {log})")
+    if outcome.done:
+        for path in write_report(folder):
+            print(path)
+    return 1 if outcome.failed else 0
+
+
 def _cmd_table(args: argparse.Namespace) -> int:
     from gradscope.figures.cli import table_main
 
@@ -130,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cliffs: dynamics around an accuracy cliff (one column per run); ip-vs-sp: accuracy of "
                         "IP and SP side by side; shares: who drives a shared update (one SP run); alignment: "
                         "agent cosine heatmap (one run); sweep: improvement over base by workflow x task x scale")
-    p.add_argument("runs", nargs="+", help="run files (.h5)")
+    p.add_argument("runs", nargs="+", help="run files (.h5), or sweep folders (their finished runs)")
     p.add_argument("--out", default=None, help="output path stem (default: next to the first run, <run>_<kind>)")
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg (default png)")
     p.add_argument("--size", choices=("one", "two"), default="two", help="paper width: one column or two (default)")
@@ -143,10 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("table", help="summary table of runs: base, peak, final, delta, cliff")
-    p.add_argument("runs", nargs="+", help="run files (.h5)")
+    p.add_argument("runs", nargs="+", help="run files (.h5), or sweep folders (their finished runs)")
+    p.add_argument("--over", default=None, metavar="FLAG",
+                   help="one row per cell, mean ± sd over this setting (e.g. seed: the paper's Table 1)")
     p.add_argument("--format", choices=("md", "csv", "latex"), default="md", help="table format (default md)")
     p.add_argument("--out", default=None, help="write to this file instead of standard output")
     p.set_defaults(func=_cmd_table)
+
+    p = sub.add_parser("sweep", help="a YAML grid of training runs, one process each, resumable",
+                       description="Run every cell of a YAML grid (docs/sweep.md) as its own gradscope train "
+                                   "process; finished runs are skipped, killed ones resumed. Writes the run "
+                                   "files, summary.csv, table.md and figures/ into the output folder.")
+    p.add_argument("config", help="sweep file (.yaml)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1; one torch thread each)")
+    p.add_argument("--out", default=None, help="output folder (default sweeps/out/<config name>)")
+    p.add_argument("--dry-run", action="store_true", help="check the file and list the cells' commands only")
+    p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("train", help="train a workflow with GRPO, probed (see gradscope train --help)",
                        add_help=False, prefix_chars="\0")

@@ -1,0 +1,1 @@
+"""``gradscope sweep``: a YAML grid of training runs, one process per cell, resumable (docs/sweep.md)."""

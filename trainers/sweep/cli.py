@@ -1,0 +1,37 @@
+"""``gradscope sweep CONFIG.yaml [--jobs N] [--out DIR]``: check the whole grid, then run its cells."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gradscope.errors import ConfigError
+from gradscope.trainers.sweep.config import load_spec
+from gradscope.trainers.sweep.grid import expand
+from gradscope.trainers.sweep.scheduler import Outcome, folder_lock, plan, run_cells, write_manifest
+
+
+def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -> tuple[Path, Outcome | None]:
+    """Run the sweep of ``config`` into ``out`` (default ``sweeps/out/<config stem>``); every check
+    (file, flags, values, cells, run files of other settings) passes before the first run starts.
+    Returns the folder and the outcome (None for a dry run, which only lists the cells)."""
+    if jobs < 1:
+        raise ConfigError("--jobs must be >= 1")
+    spec = load_spec(config)
+    cells = expand(spec)
+    folder = Path(out) if out else Path("sweeps") / "out" / Path(config).stem
+    if dry_run:
+        for cell in cells:
+            print(f"{cell.name}: gradscope train {' '.join(cell.argv)} --out {cell.run_path(folder)}")
+        return folder, None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {folder}: cannot create ({exc.strerror or exc})") from None
+    with folder_lock(folder):
+        planned = plan(cells, folder)
+        write_manifest(folder, cells, Path(config))
+        copy = folder / "sweep.yaml"
+        if not copy.exists() or not copy.samefile(config):
+            shutil.copyfile(config, copy)
+        outcome = run_cells(planned, folder, jobs)
+    return folder, outcome

@@ -1,0 +1,132 @@
+"""The grid's cells: the product of the axes, each a ``gradscope train`` command line, all checked
+before any run starts.
+
+A cell's name is its axis values in file order, ``seed`` last (``voting_math_ip_0.3M_seed0``); axes
+other than workflow, task, policy and scale are written ``flag=value`` (``lr=0.003``). Its run file is
+``runs/<name>.h5`` in the sweep folder.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradscope.errors import ConfigError, GradscopeError
+from gradscope.trainers.sweep.config import Setting, SweepError, SweepSpec
+
+#: Axes named by their bare value in a cell's name.
+BARE = ("workflow", "task", "policy", "scale")
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    axes: dict[str, object]   # flag → value (the grid's axes only)
+    argv: list[str]           # train flags, without --out / --overwrite / --resume
+    where: str                # location of the cell's first axis value
+
+    def run_path(self, folder: Path) -> Path:
+        return folder / "runs" / f"{self.name}.h5"
+
+
+class _Parser(argparse.ArgumentParser):
+    """The train flags' parser, raising instead of exiting."""
+
+    def error(self, message: str) -> None:
+        raise ConfigError(message)
+
+
+def train_parser() -> argparse.ArgumentParser:
+    from gradscope.trainers.config import add_arguments
+
+    parser = _Parser(prog="gradscope train", add_help=False)
+    add_arguments(parser)
+    return parser
+
+
+def to_argv(setting: Setting) -> list[str]:
+    """The flag as ``gradscope train`` takes it (``--no-X`` for false, a repeated flag for a list)."""
+    flag = "--" + setting.flag.replace("_", "-")
+    value = setting.value
+    if isinstance(value, bool):
+        return [flag] if value else ["--no-" + setting.flag.replace("_", "-")]
+    if isinstance(value, list):
+        return [tok for item in value for tok in (flag, str(item))]
+    return [flag, str(value)]
+
+
+def _check_value(parser: argparse.ArgumentParser, setting: Setting, kind: type | None) -> None:
+    if kind is bool and not isinstance(setting.value, bool):
+        raise SweepError(f"{setting.where}: {setting.flag!r} takes true or false, got {setting.value!r}")
+    if kind is not bool and isinstance(setting.value, bool):
+        raise SweepError(f"{setting.where}: {setting.flag!r} takes a value, not {str(setting.value).lower()}")
+    try:
+        parser.parse_args(to_argv(setting))
+    except ConfigError as exc:
+        raise SweepError(f"{setting.where}: {exc}") from None
+
+
+def _label(flag: str, value: object) -> str:
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    text = re.sub(r"[^A-Za-z0-9.=+-]+", "-", text).strip("-") or "x"
+    if flag == "seed":
+        return f"seed{text}"
+    return text if flag in BARE else f"{flag}={text}"
+
+
+def expand(spec: SweepSpec) -> list[Cell]:
+    """Every cell of the grid, each flag value checked by the train flags' own parser, then every cell's
+    whole command line by the trainer's own validation (SweepError with a location on the first problem)."""
+    from gradscope.trainers.sweep.config import train_fields
+
+    fields = train_fields()
+    parser = train_parser()
+    for s in spec.train:
+        _check_value(parser, s, fields[s.flag])
+    for _, values in spec.axes:
+        for s in values:
+            _check_value(parser, s, fields[s.flag])
+    fixed = [tok for s in spec.train for tok in to_argv(s)]
+    order = sorted(range(len(spec.axes)), key=lambda i: spec.axes[i][0] == "seed")  # seed last in names
+    cells, names = [], {}
+    for combo in itertools.product(*(values for _, values in spec.axes)):
+        name = "_".join(_label(combo[i].flag, combo[i].value) for i in order) or "run"
+        where = combo[0].where if combo else str(spec.path)
+        if name in names:
+            raise SweepError(f"{where}: two cells are both named {name!r} (repeated axis values?)")
+        names[name] = where
+        argv = [tok for s in combo for tok in to_argv(s)] + fixed
+        cells.append(Cell(name, {s.flag: s.value for s in combo}, argv, where))
+    _validate_cells(cells, parser)
+    return cells
+
+
+def cell_config(cell: Cell, parser: argparse.ArgumentParser | None = None, out: str | Path = "run.h5"):
+    """The cell's TrainConfig (writing ``out``)."""
+    from gradscope.trainers.config import from_arguments
+
+    args = (parser or train_parser()).parse_args(cell.argv)
+    return dataclasses.replace(from_arguments(args), out=str(out))
+
+
+def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser) -> None:
+    """The trainer's checks (workflow, policy map, alert rules, task files, ...) on every cell."""
+    from gradscope.trainers.train import validate
+
+    seen: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cell in cells:
+            cfg = cell_config(cell, parser, Path(tmp) / "run.h5")
+            key = repr(dataclasses.replace(cfg, seed=0, steps=0))  # tasks and rules do not depend on these
+            if key in seen:
+                continue
+            try:
+                validate(cfg)
+            except GradscopeError as exc:
+                axes = ", ".join(f"{k}={v}" for k, v in cell.axes.items())
+                raise SweepError(f"{cell.where}: cell {axes or cell.name}: {exc}") from None
+            seen[key] = cell.name

@@ -1,0 +1,181 @@
+"""Runs a sweep's cells, each as its own ``gradscope train`` process, at most ``jobs`` at a time.
+
+Every child gets one torch thread unless the sweep sets ``threads`` (``OMP_NUM_THREADS`` and
+``MKL_NUM_THREADS`` follow it), writes ``runs/<cell>.h5`` and logs to ``logs/<cell>.log``. Finished
+runs are skipped, killed ones resumed from their checkpoint (:mod:`.runs`). The folder is locked
+while a sweep runs in it. Ctrl-C or SIGTERM interrupts every child (each closes its run file),
+waits for them and re-raises; on Linux a child also ends if the sweep process is killed outright.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gradscope.trainers.sweep.config import SweepError
+from gradscope.trainers.sweep.grid import Cell, cell_config, train_parser
+from gradscope.trainers.sweep.progress import Progress
+from gradscope.trainers.sweep.runs import DONE, RESUME, check_same_config, last_step, run_state
+
+MANIFEST = "cells.json"
+
+
+@dataclass
+class Outcome:
+    done: list[str] = field(default_factory=list)       # cells finished (now or before)
+    skipped: list[str] = field(default_factory=list)    # ... of them, finished before this invocation
+    failed: dict[str, str] = field(default_factory=dict)  # cell → log file
+
+
+@dataclass
+class _Job:
+    cell: Cell
+    steps: int
+    proc: subprocess.Popen
+    log: object
+    done_steps: int = 0
+
+
+def write_manifest(folder: Path, cells: list[Cell], config: Path) -> None:
+    """``cells.json``: the sweep's cells (name, run file relative to the folder, axis values), which
+    ``gradscope table`` and ``gradscope plot`` read to know exactly which runs a folder holds."""
+    doc = {"config": str(config), "cells": [
+        {"name": c.name, "run": str(c.run_path(Path("."))), "axes": c.axes} for c in cells]}
+    (folder / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+@contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    with open(folder / ".sweep.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SweepError(f"{folder}: another sweep is running in this folder") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def plan(cells: list[Cell], folder: Path) -> list[tuple[Cell, int, str, int]]:
+    """(cell, steps, state, steps already done) of every cell; ConfigError if a run file in the
+    folder was trained with other settings than its cell's."""
+    parser = train_parser()
+    out = []
+    for cell in cells:
+        path = cell.run_path(folder)
+        cfg = cell_config(cell, parser, path)
+        st = run_state(path, cfg.steps)
+        if st.config is not None:
+            wanted = json.loads(json.dumps(dataclasses.asdict(cfg.resolved())))
+            check_same_config(path, st.config, wanted)
+        out.append((cell, cfg.steps, st.state, st.steps_done))
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the sweep process dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _start(cell: Cell, folder: Path, state: str) -> tuple[subprocess.Popen, object]:
+    run = cell.run_path(folder)
+    argv = [*cell.argv, "--out", str(run), "--resume" if state == RESUME else "--overwrite"]
+    threads = "1"
+    if "--threads" in cell.argv:
+        threads = cell.argv[cell.argv.index("--threads") + 1]
+    else:
+        argv += ["--threads", "1"]
+    env = {**os.environ, "TQDM_MININTERVAL": "30"}
+    if threads != "0":
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    log = open(folder / "logs" / f"{cell.name}.log", "a")
+    log.write(f"$ gradscope train {' '.join(argv)}\n")
+    log.flush()
+    proc = subprocess.Popen([sys.executable, "-m", "gradscope.cli", "train", *argv], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    return proc, log
+
+
+def run_cells(planned: list[tuple[Cell, int, str, int]], folder: Path, jobs: int, poll: float = 5.0) -> Outcome:
+    """Run every unfinished cell of :func:`plan`'s list; returns what finished and what failed."""
+    (folder / "runs").mkdir(parents=True, exist_ok=True)
+    (folder / "logs").mkdir(exist_ok=True)
+    cells = [p[0] for p in planned]
+    outcome = Outcome()
+    pending = []
+    for cell, steps, state, done in planned:
+        if state == DONE:
+            outcome.done.append(cell.name)
+            outcome.skipped.append(cell.name)
+        else:
+            pending.append((cell, steps, state, done))
+    progress = Progress(len(cells), sum(p[1] for p in planned),
+                        sum(p[1] if p[2] == DONE else p[3] for p in planned), len(outcome.done))
+    if outcome.skipped:
+        progress.event(f"sweep: {len(outcome.skipped)} of {len(cells)} runs already finished, skipped")
+    running: list[_Job] = []
+    base_steps = sum(p[1] for p in planned if p[2] == DONE)
+    finished_steps = 0
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                cell, steps, state, done = pending.pop(0)
+                proc, log = _start(cell, folder, state)
+                running.append(_Job(cell, steps, proc, log, done))
+                progress.event(f"sweep: {'resuming' if state == RESUME else 'started'} {cell.name}"
+                               + (f" at step {done}" if state == RESUME else ""))
+            time.sleep(poll)
+            for job in list(running):
+                job.done_steps = max(job.done_steps, last_step(job.cell.run_path(folder))[0])
+                if job.proc.poll() is None:
+                    continue
+                running.remove(job)
+                job.log.close()
+                if job.proc.returncode == 0 and run_state(job.cell.run_path(folder), job.steps).state == DONE:
+                    outcome.done.append(job.cell.name)
+                    finished_steps += job.steps
+                    progress.event(f"sweep: finished {job.cell.name}")
+                else:
+                    log = folder / "logs" / f"{job.cell.name}.log"
+                    outcome.failed[job.cell.name] = str(log)
+                    finished_steps += job.done_steps
+                    progress.event(f"sweep: FAILED {job.cell.name} (exit {job.proc.returncode}; see {log})")
+            progress.counts(len(outcome.done), len(running), len(outcome.failed))
+            progress.steps(base_steps + finished_steps + sum(j.done_steps for j in running)
+                           + sum(p[3] for p in pending))
+    except BaseException:
+        _interrupt(running)
+        raise
+    finally:
+        progress.close()
+    return outcome
+
+
+def _interrupt(running: list[_Job], grace: float = 30.0) -> None:
+    """SIGINT every child (the trainer closes its run file on it), wait ``grace`` s, then kill."""
+    for job in running:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace
+    for job in running:
+        try:
+            job.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            job.proc.wait()
+        job.log.close()
