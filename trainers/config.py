@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                     default=default, help=f.metadata.get("help"))
             else:
-                kind = {int: int, float: float}.get(type(default), str)
+                kind = f.metadata.get("type") or {int: int, float: float}.get(type(default), str)
                 parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default,
                                     help=f.metadata["help"])
 

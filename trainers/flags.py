@@ -2,9 +2,10 @@
 from dataclasses import field
 
 
-def flag(default, help: str):
+def flag(default, help: str, type=None):
     """A dataclass field with a default and the ``--help`` text of its flag (a list default makes a
-    repeatable flag)."""
+    repeatable flag); ``type``: the flag's argparse type when it is not the default's."""
+    metadata = {"help": help, **({"type": type} if type is not None else {})}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)

@@ -9,6 +9,20 @@
   mini_batch_size)`` near-equal mini-batches (n samples over all ranks); each mini-batch is one
   probed optimizer step. A role with three agents therefore takes about three times the optimizer
   steps of a one-agent role.
+
+Mitigations (docs/training.md, "Mitigations"), each per role:
+
+* ``kl_coef`` — per-role KL anchor: each token's loss gains ``β_role · k3`` with
+  ``k3 = exp(ref − lp) − (ref − lp) − 1`` against the adapter-free base model.
+* ``coherence_reg`` — per-role coherence regulariser: at each optimizer step the gradient of role
+  r's tokens, ``g_r``, is scaled by ``c_r = 1 − λ_r · max(0, cos(g_r, ḡ_r))`` where ``ḡ_r`` is the EMA
+  (decay ``coherence_beta``) of the role's past raw gradients (``c_r = 1`` at its first step); applied
+  by scaling the role's token losses, so the probe measures the scaled gradient.
+* ``role_balance`` — ``steps``: a policy's samples are split into the number of mini-batches one
+  agent slot's samples would take, ``ceil(n / (mini_batch_size · slots))`` (slots: agents routed to
+  the policy), so every policy takes the same number of optimizer steps; ``update``: the usual
+  mini-batches, each optimizer step at ``lr · n_slot / n_policy`` (n_slot: that per-slot count), so
+  every policy's learning-rate budget ``lr × steps`` per training step is one slot's.
 """
 from __future__ import annotations
 
@@ -26,12 +40,14 @@ from gradscope.peft_support import use_adapter
 from gradscope.probe import Probe, StepResult
 from gradscope.trainers.distributed import Dist
 from gradscope.trainers.flags import flag
+from gradscope.trainers.per_role import role_spec, role_values
 from gradscope.trainers.policy import PolicyMap
 from gradscope.trainers.rollout import pack, token_logprobs
 from gradscope.trainers.workflows.base import Episode, Turn
 
 #: Scalars logged with every optimizer step (the run file's per-record scalars).
 STEP_SCALARS = ["loss", "clip_frac", "grad_norm", "lr", "samples", "tokens", "kl"]
+ROLE_BALANCE = ("none", "steps", "update")
 
 
 @dataclass
@@ -41,7 +57,15 @@ class GRPOConfig:
     group_size: int = flag(8, "rollouts per task (the GRPO group)")
     clip_low: float = flag(0.2, "ratio clipped below at 1 - clip_low")
     clip_high: float = flag(0.28, "ratio clipped above at 1 + clip_high")
-    kl_coef: float = flag(0.0, "k3 KL penalty to the base model, per token (the paper's anchor when > 0)")
+    kl_coef: float | str = flag(0.0, "k3 KL penalty to the base model per token: a number for every role, or "
+                                     "role=number,... (e.g. voter=0.05,aggregator=0); the paper's anchor when > 0",
+                                type=role_spec)
+    coherence_reg: float | str = flag(0.0, "coherence regulariser lambda per role (number or role=number,...): "
+                                           "scale a role's gradient by 1 - lambda*max(0, cos(g, EMA of its past "
+                                           "gradients))", type=role_spec)
+    coherence_beta: float = flag(0.9, "EMA decay of the coherence regulariser's average gradient")
+    role_balance: str = flag("none", "none | steps (every policy takes one agent slot's number of optimizer "
+                                     "steps) | update (lr scaled so that lr x steps per training step is one slot's)")
     lr: float = flag(0.0, "AdamW learning rate (0: 2e-5 as in the paper; 1e-3 for the testbed)")
     warmup_steps: int = flag(15, "linear LR warm-up, in training steps")
     weight_decay: float = flag(0.01, "AdamW weight decay")
@@ -98,6 +122,13 @@ class GRPOUpdater:
         self.optimizers = {a: torch.optim.AdamW(self.params[a], lr=cfg.lr, weight_decay=cfg.weight_decay)
                            for a in policy.adapters}
         self.rng = random.Random(seed)
+        roles = list(policy.role_to_adapter)
+        self.kl = role_values(cfg.kl_coef, roles, "kl-coef")
+        self.coherence = role_values(cfg.coherence_reg, roles, "coherence-reg")
+        #: role → EMA of its raw per-optimizer-step gradient (flat, over its adapter's parameters)
+        self.coherence_ema: dict[str, torch.Tensor] = {}
+        self._scales: dict[str, list[float]] = defaultdict(list)  # role → c_r of this training step
+        self.slots = {a: sum(policy[r] == a for r in probe.agent_roles) for a in policy.adapters}
 
     def lr_at(self, step: int) -> float:
         return self.cfg.lr * min(1.0, (step + 1) / max(1, self.cfg.warmup_steps))
@@ -110,18 +141,19 @@ class GRPOUpdater:
         for s in samples:
             by_adapter[self.policy[s.turn.role]].append(s)
         self._old_logprobs(by_adapter)
-        for opt in self.optimizers.values():
-            for group in opt.param_groups:
-                group["lr"] = self.lr_at(step)
         logged: list[OptimizerStep] = []
         metrics: dict[str, float] = {}
+        self._scales.clear()
         for adapter in self.policy.adapters:
             batch = by_adapter.get(adapter, [])
             if self.cfg.shuffle:
                 self.rng.shuffle(batch)
+            chunks, lr_factor = self._plan(adapter, batch, mini_batch_size)
+            for group in self.optimizers[adapter].param_groups:
+                group["lr"] = self.lr_at(step) * lr_factor
             before = torch.cat([p.detach().reshape(-1) for p in self.params[adapter]]).clone()
             n_steps = 0
-            for chunk in self._mini_batches(batch, mini_batch_size):
+            for chunk in chunks:
                 logged_step = self._optimizer_step(step, adapter, chunk, probe_this_step)
                 n_steps += 1
                 if logged_step is not None:
@@ -131,14 +163,25 @@ class GRPOUpdater:
             metrics[f"opt_steps/{adapter}"] = n_steps
             metrics[f"update_norm/{adapter}"] = delta
             metrics[f"update_rel/{adapter}"] = delta / max(float(before.norm()), 1e-12)
+        for role, scales in self._scales.items():
+            metrics[f"coherence_scale/{role}"] = float(np.mean(scales))
         return logged, metrics
 
-    def _mini_batches(self, batch: list[TrainSample], size: int) -> list[list[TrainSample]]:
-        """ceil(global samples / size) mini-batches of near-equal size. Under data parallelism every
-        rank takes the same number of optimizer steps (each a collective), each with its
-        near-equal share of its local samples (possibly none)."""
+    def _plan(self, adapter: str, batch: list[TrainSample], size: int) -> tuple[list[list[TrainSample]], float]:
+        """The policy's mini-batches and its learning-rate factor under ``role_balance``."""
         n_global = int(self.dist.sum([len(batch)])[0])
+        per_slot = -(-n_global // (size * self.slots[adapter]))
+        if self.cfg.role_balance == "steps":
+            return self._mini_batches(batch, per_slot), 1.0
         n = -(-n_global // size)
+        factor = per_slot / n if self.cfg.role_balance == "update" and n else 1.0
+        return self._mini_batches(batch, n), factor
+
+    @staticmethod
+    def _mini_batches(batch: list[TrainSample], n: int) -> list[list[TrainSample]]:
+        """``n`` mini-batches of near-equal size. Under data parallelism every rank takes the same
+        number of optimizer steps (each a collective), each with its near-equal share of its local
+        samples (possibly none)."""
         cuts = np.linspace(0, len(batch), n + 1).round().astype(int)
         return [batch[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
@@ -150,7 +193,7 @@ class GRPOUpdater:
                 with use_adapter(self.model, adapter):
                     old = self._completion_logprobs(chunk)
                 ref = None
-                if self.cfg.kl_coef > 0:
+                if any(self.kl[r] > 0 for r in self.policy.roles_of(adapter)):
                     with self.model.disable_adapter():
                         ref = self._completion_logprobs(chunk)
                 for i, s in enumerate(chunk):
@@ -176,6 +219,7 @@ class GRPOUpdater:
         with self.probe.step(step, policy=adapter) if probe_this_step else nullcontext() as probed:
             if batch:
                 token_loss, totals = self._token_loss(adapter, batch, n_tokens)
+                token_loss = (self._coherence_scaled(adapter, batch, token_loss[0]), token_loss[1])
                 if probed is not None:
                     probed.backward_tokens(token_loss[0], token_loss[1])
                 else:
@@ -214,15 +258,43 @@ class GRPOUpdater:
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
         token_loss = -torch.minimum(ratio * adv, clipped * adv)
         kl_sum = 0.0
-        if cfg.kl_coef > 0:
+        if batch[0].ref_logprobs is not None:  # some role of this policy is anchored
             ref = torch.zeros_like(old)
             ref[mask] = torch.cat([s.ref_logprobs for s in batch])
             kl = torch.exp(ref - lp) - (ref - lp) - 1  # k3 estimator, ≥ 0
-            token_loss = token_loss + cfg.kl_coef * kl
+            coef = torch.tensor([self.kl[s.turn.role] for s in batch], device=ids.device)[:, None]
+            token_loss = token_loss + coef * kl
             kl_sum = float((kl * mask).sum())
         token_loss = token_loss * mask / max(n_tokens, 1)
         n_clipped = float((((ratio - clipped).abs() > 0) & mask).sum())
         return (token_loss, agent_ids), np.array([float(token_loss.detach().sum()), n_clipped, kl_sum])
+
+
+    def _coherence_scaled(self, adapter: str, batch: Sequence[TrainSample], token_loss: torch.Tensor) -> torch.Tensor:
+        """``token_loss`` (B, T) with each regularised role's rows scaled by its ``c_r`` (module doc);
+        the raw role gradients (one extra backward per regularised role) update the EMAs."""
+        roles = [r for r in dict.fromkeys(s.turn.role for s in batch) if self.coherence[r] > 0]
+        if not roles:
+            return token_loss
+        params = self.params[adapter]
+        row_role = [s.turn.role for s in batch]
+        scale = torch.ones(len(batch), 1, device=token_loss.device)
+        for role in roles:
+            rows = torch.tensor([r == role for r in row_role], device=token_loss.device)
+            grads = torch.autograd.grad(token_loss[rows].sum(), params, retain_graph=True, allow_unused=True)
+            g = torch.cat([(gr if gr is not None else torch.zeros_like(p)).reshape(-1)
+                           for gr, p in zip(grads, params)]).detach()
+            ema = self.coherence_ema.get(role)
+            c = 1.0
+            if ema is not None:
+                cos = float(g @ ema) / max(float(g.norm() * ema.norm()), 1e-30)
+                c = 1.0 - self.coherence[role] * max(0.0, cos)
+                ema.mul_(self.cfg.coherence_beta).add_(g, alpha=1 - self.cfg.coherence_beta)
+            else:
+                self.coherence_ema[role] = g.clone()
+            scale[rows] = c
+            self._scales[role].append(c)
+        return token_loss * scale
 
 
 def _clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:

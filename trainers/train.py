@@ -29,8 +29,9 @@ from gradscope.runfile import RunMeta, RunWriter
 from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
 from gradscope.trainers.config import TrainConfig
 from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
-from gradscope.trainers.grpo import STEP_SCALARS, GRPOUpdater
+from gradscope.trainers.grpo import ROLE_BALANCE, STEP_SCALARS, GRPOUpdater
 from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
+from gradscope.trainers.per_role import role_values
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
@@ -50,7 +51,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     if cfg.workflow not in WORKFLOWS:
         raise ConfigError(f"unknown workflow {cfg.workflow!r}; use one of {sorted(WORKFLOWS)}")
     workflow = WORKFLOWS[cfg.workflow]
-    policy = parse_policy(cfg.policy, list(dict.fromkeys(workflow.agent_roles.values())))
+    roles = list(dict.fromkeys(workflow.agent_roles.values()))
+    policy = parse_policy(cfg.policy, roles)
     rules = collect_rules(cfg.alert, cfg.alerts, cfg.default_alerts)
     check_selectors(rules, list(workflow.agents), [workflow.agent_roles[a] for a in workflow.agents],
                     policy.adapters)
@@ -63,7 +65,15 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
         raise ConfigError("--probe-sketch must be >= 0")
     if cfg.threads < 0:
         raise ConfigError("--threads must be >= 0 (0: automatic)")
+    for name in ("kl_coef", "coherence_reg"):
+        role_values(getattr(cfg.grpo, name), roles, name.replace("_", "-"))
+    if cfg.grpo.role_balance not in ROLE_BALANCE:
+        raise ConfigError(f"unknown --role-balance {cfg.grpo.role_balance!r}; use one of {', '.join(ROLE_BALANCE)}")
+    if not 0 <= cfg.grpo.coherence_beta < 1:
+        raise ConfigError("--coherence-beta must be in [0, 1)")
     world = world_size_from_env()
+    if world > 1 and any(role_values(cfg.grpo.coherence_reg, roles, "coherence-reg").values()):
+        raise ConfigError("--coherence-reg is not supported under torchrun (it needs each role's global gradient)")
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
     check_model_path(cfg.model)

@@ -28,6 +28,9 @@ from gradscope.trainers.sweep.progress import Progress
 from gradscope.trainers.sweep.runs import DONE, RESUME, check_same_config, last_step, run_state
 
 MANIFEST = "cells.json"
+#: ``gradscope`` in a child interpreter, whatever the working directory holds (``-m`` would put the
+#: folder first on sys.path, where a checkout's ``gradscope/`` folder would shadow the installed package).
+CHILD = [sys.executable, "-c", "import sys; del sys.path[0]; from gradscope.cli import main; sys.exit(main())"]
 
 
 @dataclass
@@ -105,7 +108,7 @@ def _start(cell: Cell, folder: Path, state: str) -> tuple[subprocess.Popen, obje
     log = open(folder / "logs" / f"{cell.name}.log", "a")
     log.write(f"$ gradscope train {' '.join(argv)}\n")
     log.flush()
-    proc = subprocess.Popen([sys.executable, "-m", "gradscope.cli", "train", *argv], stdout=log,
+    proc = subprocess.Popen([*CHILD, "train", *argv], stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     return proc, log
