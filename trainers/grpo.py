@@ -264,7 +264,7 @@ class GRPOUpdater:
             kl = torch.exp(ref - lp) - (ref - lp) - 1  # k3 estimator, ≥ 0
             coef = torch.tensor([self.kl[s.turn.role] for s in batch], device=ids.device)[:, None]
             token_loss = token_loss + coef * kl
-            kl_sum = float((kl * mask).sum())
+            kl_sum = float((kl.detach() * mask).sum())
         token_loss = token_loss * mask / max(n_tokens, 1)
         n_clipped = float((((ratio - clipped).abs() > 0) & mask).sum())
         return (token_loss, agent_ids), np.array([float(token_loss.detach().sum()), n_clipped, kl_sum])
