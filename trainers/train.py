@@ -193,6 +193,8 @@ class Trainer:
         the alert that stops the run, after recording the ``stop`` event."""
         stop, asked = self.dist.broadcast((monitor.stop_requested, self._checkpoint_for))
         self._checkpoint_for = None
+        if (asked is not None or scheduled or stop) and self.dist.is_main:
+            writer.flush()  # a checkpoint must never run ahead of the committed run file (resume continues it)
         if asked is not None:
             path = save_checkpoint(ckpt_dir, step, self.model, self.updater, self, name=f"step{step}")
             if self.dist.is_main:

@@ -25,9 +25,21 @@ BARE = ("workflow", "task", "policy", "scale")
 @dataclass(frozen=True)
 class Cell:
     name: str
-    axes: dict[str, object]   # flag → value (the grid's axes only)
-    argv: list[str]           # train flags, without --out / --overwrite / --resume
-    where: str                # location of the cell's first axis value
+    axes: dict[str, object]          # flag → value (the grid's axes only)
+    argv: list[str]                  # train flags, without --out / --overwrite / --resume
+    settings: tuple[Setting, ...]    # the axis values with their locations
+
+    def where(self, message: str = "") -> str:
+        """The location of the axis value a message names (the longest value, or part of one, that it
+        quotes), else of the cell's first axis value."""
+        best, where = 0, self.settings[0].where if self.settings else ""
+        for s in self.settings:
+            values = s.value if isinstance(s.value, list) else [s.value]
+            parts = {p for v in values for p in [str(v), *re.split(r"[,=\s]+", str(v))] if len(p) >= 2}
+            score = max((len(p) for p in parts if p in message), default=0)
+            if score > best:
+                best, where = score, s.where
+        return where
 
     def run_path(self, folder: Path) -> Path:
         return folder / "runs" / f"{self.name}.h5"
@@ -72,7 +84,7 @@ def _check_value(parser: argparse.ArgumentParser, setting: Setting, kind: type |
 
 def _label(flag: str, value: object) -> str:
     text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-    text = re.sub(r"[^A-Za-z0-9.=+-]+", "-", text).strip("-") or "x"
+    text = re.sub(r"[^A-Za-z0-9._=+-]+", "-", text).strip("-") or "x"
     if flag == "seed":
         return f"seed{text}"
     return text if flag in BARE else f"{flag}={text}"
@@ -92,16 +104,15 @@ def expand(spec: SweepSpec) -> list[Cell]:
             _check_value(parser, s, fields[s.flag])
     fixed = [tok for s in spec.train for tok in to_argv(s)]
     order = sorted(range(len(spec.axes)), key=lambda i: spec.axes[i][0] == "seed")  # seed last in names
-    cells, names = [], {}
+    cells, names = [], set()
     for combo in itertools.product(*(values for _, values in spec.axes)):
         name = "_".join(_label(combo[i].flag, combo[i].value) for i in order) or "run"
-        where = combo[0].where if combo else str(spec.path)
         if name in names:
-            raise SweepError(f"{where}: two cells are both named {name!r} (repeated axis values?)")
-        names[name] = where
+            raise SweepError(f"{combo[-1].where}: two cells are both named {name!r} (repeated axis values?)")
+        names.add(name)
         argv = [tok for s in combo for tok in to_argv(s)] + fixed
-        cells.append(Cell(name, {s.flag: s.value for s in combo}, argv, where))
-    _validate_cells(cells, parser)
+        cells.append(Cell(name, {s.flag: s.value for s in combo}, argv, tuple(combo)))
+    _validate_cells(cells, parser, spec.path)
     return cells
 
 
@@ -113,7 +124,7 @@ def cell_config(cell: Cell, parser: argparse.ArgumentParser | None = None, out: 
     return dataclasses.replace(from_arguments(args), out=str(out))
 
 
-def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser) -> None:
+def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser, path: Path) -> None:
     """The trainer's checks (workflow, policy map, alert rules, task files, ...) on every cell."""
     from gradscope.trainers.train import validate
 
@@ -128,5 +139,6 @@ def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser) -> None:
                 validate(cfg)
             except GradscopeError as exc:
                 axes = ", ".join(f"{k}={v}" for k, v in cell.axes.items())
-                raise SweepError(f"{cell.where}: cell {axes or cell.name}: {exc}") from None
+                where = cell.where(str(exc)) or str(path)
+                raise SweepError(f"{where}: cell {axes or cell.name}: {exc}") from None
             seen[key] = cell.name

@@ -106,7 +106,7 @@ def _start(cell: Cell, folder: Path, state: str) -> tuple[subprocess.Popen, obje
     if threads != "0":
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     log = open(folder / "logs" / f"{cell.name}.log", "a")
-    log.write(f"$ gradscope train {' '.join(argv)}\n")
+    log.write(("\n" if log.tell() else "") + f"$ gradscope train {' '.join(argv)}\n")  # after a killed run's last line
     log.flush()
     proc = subprocess.Popen([*CHILD, "train", *argv], stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True,

@@ -1,0 +1,177 @@
+"""``gradscope sweep``: bad files exit 2 with their location before any run; a tiny grid finishes, is
+killed and resumed without redoing finished runs; a killed run resumes from its checkpoint; the
+folder's summary, table and figures hold exactly the cells run."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradscope.cli import main
+from gradscope.runfile import open_run
+from gradscope.trainers.sweep.config import load_spec
+from gradscope.trainers.sweep.grid import expand
+from gradscope.trainers.sweep.runs import DONE, RESUME, run_state
+
+GRADSCOPE = [sys.executable, "-m", "gradscope.cli"]
+TINY = """\
+train:
+  steps: {steps}
+  tasks_per_step: 2
+  group_size: 2
+  n_held_out: 4
+  n_train: 20
+  eval_every: 1
+  checkpoint_every: 1
+grid:
+  policy: [ip, sp]
+  seed: [0, 1]
+  lr: [0.001, 0.002]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "sweep.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- the file
+@pytest.mark.parametrize("text, where, message", [
+    ("train:\n  steps: abc\n", ":2:10:", "argument --steps: invalid int value: 'abc'"),
+    ("train:\n  steps: [3\n", ":3:1:", "bad YAML"),
+    ("grid:\n  lrr: [0.1]\n", ":2:3:", "unknown train flag 'lrr' (did you mean 'lr'?)"),
+    ("grid:\n  policy: [ip, sp]\n  workflow: [voting, debate]\n", ":3:22:", "unknown workflow 'debate'"),
+    ("grid:\n  policy: [ip, 'voter=a,critic=b']\n", ":2:16:", "unknown role 'critic'"),
+    ("grid:\n  kl_coef: [0.1, 'critic=0.1']\n", ":2:18:", "--kl-coef names unknown role(s) ['critic']"),
+    ("train:\n  out: x.h5\n", ":2:3:", "'out' is set by the sweep"),
+    ("grid:\n  default_alerts: [true, 3]\n", ":2:26:", "takes true or false"),
+    ("grid:\n  seed: [0, 0]\n", ":2:13:", "two cells are both named 'seed0'"),
+    ("grid:\n  seed: []\n", ":2:9:", "axis 'seed' has no values"),
+    ("train:\n  seed: 1\ngrid:\n  seed: [0, 1]\n", ":2:9:", "both a fixed train flag and a grid axis"),
+    ("runs: 3\n", ":1:1:", "unknown key 'runs'"),
+    ("- a\n", ":1:1:", "a sweep file is a mapping"),
+    ("grid:\n  scale: [0.3M, 2B]\n", ":2:17:", "unknown --scale '2B'"),
+])
+def test_bad_sweep_files_exit_2_with_their_location(tmp_path, capsys, text, where, message):
+    path = write(tmp_path, text)
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gradscope: error: {path}{where}") and message in err and "\n" not in err, err
+    assert not out.exists()  # nothing was started or written
+
+
+def test_bad_sweep_is_one_line_exit_2_as_a_command(tmp_path):
+    path = write(tmp_path, "grid:\n  lr: [0.001, fast]\n")
+    proc = subprocess.run(GRADSCOPE + ["sweep", str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"gradscope: error: {path}:2:15: argument --lr: invalid float value: 'fast'")
+
+
+def test_cells_names_and_command_lines(tmp_path):
+    spec = load_spec(write(tmp_path, "train:\n  steps: 5\n  default_alerts: false\n"
+                                     "grid:\n  seed: [0, 1]\n  workflow: voting\n  kl_coef: ['voter=0.05', 0]\n"
+                                     "  alert: ['acc_drop > 0.2', ['acc_drop > 0.3', 'nonfinite']]\n"))
+    cells = expand(spec)
+    assert [c.name for c in cells][:3] == ["voting_kl_coef=voter=0.05_alert=acc_drop-0.2_seed0",
+                                           "voting_kl_coef=voter=0.05_alert=acc_drop-0.3-nonfinite_seed0",
+                                           "voting_kl_coef=0_alert=acc_drop-0.2_seed0"]
+    assert len(cells) == 8
+    assert cells[1].argv == ["--seed", "0", "--workflow", "voting", "--kl-coef", "voter=0.05",
+                             "--alert", "acc_drop > 0.3", "--alert", "nonfinite", "--steps", "5",
+                             "--no-default-alerts"]
+
+
+# ---------------------------------------------------------------- running
+def _done(folder: Path, steps: int) -> list[str]:
+    return [p.stem for p in sorted((folder / "runs").glob("*.h5")) if run_state(p, steps).state == DONE]
+
+
+def _sweep(config: Path, out: Path, jobs: int = 2) -> subprocess.Popen:
+    return subprocess.Popen(GRADSCOPE + ["sweep", str(config), "--out", str(out), "--jobs", str(jobs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_tiny_sweep_killed_midway_resumes_without_redoing_finished_runs(tmp_path):
+    config, out = write(tmp_path, TINY.format(steps=2)), tmp_path / "out"
+    proc = _sweep(config, out)
+    _wait_for(lambda: len(_done(out, 2)) >= 2, proc)
+    os.kill(proc.pid, signal.SIGKILL)  # the sweep dies; its runs follow it (PR_SET_PDEATHSIG)
+    proc.wait()
+    first = {name: (out / "runs" / f"{name}.h5").stat() for name in _done(out, 2)}
+    assert 2 <= len(first) < 8
+
+    proc = _sweep(config, out)
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr
+    assert f"{len(first)} of 8 runs already finished, skipped" in stderr
+    assert "sweep: 8 runs finished" in stdout
+    for name, st in first.items():  # untouched: same file, never started again
+        now = (out / "runs" / f"{name}.h5").stat()
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+        assert (out / "logs" / f"{name}.log").read_text().count("$ gradscope train") == 1
+
+    cells = json.loads((out / "cells.json").read_text())["cells"]
+    names = {c["name"] for c in cells}
+    assert len(names) == 8 and set(_done(out, 2)) == names
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["run"] for r in rows) == sorted(f"{n}.h5" for n in names)
+    assert {(r["policy"], r["seed"], r["lr"]) for r in rows} == {
+        (p, s, lr) for p in ("ip", "sp") for s in ("0", "1") for lr in ("0.001", "0.002")}
+    table = (out / "table.md").read_text().splitlines()
+    assert table[0].startswith("| workflow | task | model | policy | lr | n |")
+    body = [line for line in table[2:] if line.strip()]
+    assert len(body) == 4 and all("| 2 |" in line for line in body)  # 2 policies × 2 lr, 2 seeds each
+    figures = sorted(p.name for p in (out / "figures").iterdir())
+    assert figures == ["delta_lr=0.001.png", "delta_lr=0.002.png", "ipsp_voting_math_testbed-0.3M_lr=0.001.png",
+                       "ipsp_voting_math_testbed-0.3M_lr=0.002.png"]
+    # the folder is a run list for table and plot
+    proc = subprocess.run(GRADSCOPE + ["table", str(out), "--over", "seed", "--format", "csv"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and len(proc.stdout.strip().splitlines()) == 1 + 4
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    long = write(tmp_path, TINY.format(steps=300).replace("[ip, sp]", "ip").replace("[0, 1]", "0")
+                 .replace("[0.001, 0.002]", "0.001"))
+    proc = _sweep(long, out, jobs=1)
+    run = out / "runs" / "ip_lr=0.001_seed0.h5"
+    _wait_for(lambda: run_state(run, 300).state == RESUME, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(1)
+    state = run_state(run, 300)
+    assert state.state == RESUME and 1 <= state.steps_done < 300  # the checkpoint's steps are committed
+    steps = state.steps_done + 3
+    short = write(tmp_path, long.read_text().replace("steps: 300", f"steps: {steps}"))
+    proc = _sweep(short, out, jobs=1)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr
+    assert "sweep: resuming ip_lr=0.001_seed0 at step" in stderr
+    log = (out / "logs" / "ip_lr=0.001_seed0.log").read_text()
+    commands = [line for line in log.splitlines() if line.startswith("$ gradscope train")]
+    assert len(commands) == 2 and "--overwrite" in commands[0] and "--resume" in commands[1]
+    with open_run(run) as r:
+        assert r.closed and (r.events["kind"] == "resume").sum() == 1
+        m = r.metrics
+        assert m[m["name"] == "train/accuracy"]["step"].tolist() == list(range(1, steps + 1))  # each step once
