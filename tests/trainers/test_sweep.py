@@ -55,10 +55,14 @@ def write(tmp_path: Path, text: str, name: str = "sweep.yaml") -> Path:
     ("grid:\n  default_alerts: [true, 3]\n", ":2:26:", "takes true or false"),
     ("grid:\n  seed: [0, 0]\n", ":2:13:", "two cells are both named 'seed0'"),
     ("grid:\n  seed: []\n", ":2:9:", "axis 'seed' has no values"),
-    ("train:\n  seed: 1\ngrid:\n  seed: [0, 1]\n", ":2:9:", "both a fixed train flag and a grid axis"),
+    ("train:\n  seed: 1\ngrid:\n  seed: [0, 1]\n", ":4:10:", "'seed' is both a fixed train flag and in the grid axis"),
     ("runs: 3\n", ":1:1:", "unknown key 'runs'"),
     ("- a\n", ":1:1:", "a sweep file is a mapping"),
     ("grid:\n  scale: [0.3M, 2B]\n", ":2:17:", "unknown --scale '2B'"),
+    ("grid:\n  variant: [a, b]\n", ":2:12:", "'variant' is a mapping of names"),
+    ("grid:\n  variant:\n    kl: {kl_coef: x=}\n", ":3:19:", "bad per-role value"),
+    ("grid:\n  variant:\n    a: {lr: 0.1}\n  lr: [0.2]\n", ":4:8:", "'lr' is both in the grid axis 'variant'"),
+    ("grid:\n  variant:\n    a: {}\n    a: {lr: 1}\n", ":4:5:", "variant 'a' given twice"),
 ])
 def test_bad_sweep_files_exit_2_with_their_location(tmp_path, capsys, text, where, message):
     path = write(tmp_path, text)
@@ -74,6 +78,16 @@ def test_bad_sweep_is_one_line_exit_2_as_a_command(tmp_path):
     proc = subprocess.run(GRADSCOPE + ["sweep", str(path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"gradscope: error: {path}:2:15: argument --lr: invalid float value: 'fast'")
+
+
+def test_variants_are_one_axis_of_named_flag_sets(tmp_path):
+    spec = load_spec(write(tmp_path, "grid:\n  policy: [ip, sp]\n  variant:\n    none: {}\n"
+                                     "    kl: {kl_coef: voter=0.05, coherence_beta: 0.5}\n"))
+    cells = expand(spec)
+    assert [c.name for c in cells] == ["ip_none", "ip_kl", "sp_none", "sp_kl"]
+    assert cells[1].axes == {"policy": "ip", "variant": "kl"}
+    assert cells[1].argv == ["--policy", "ip", "--kl-coef", "voter=0.05", "--coherence-beta", "0.5"]
+    assert cells[2].argv == ["--policy", "sp"]
 
 
 def test_cells_names_and_command_lines(tmp_path):

@@ -12,6 +12,10 @@
       scale: [0.3M, 1.5M]
       seed: [0, 1, 2]
       lr: [0.001, 0.003]   # any train flag is an axis
+      variant:             # named sets of flags, one axis: cells ..._none_..., ..._kl_...
+        none: {}
+        kl: {kl_coef: voter=0.05}
+        coherence: {coherence_reg: voter=0.5, coherence_beta: 0.8}
 
 Keys are flag names with ``_`` or ``-``. A problem raises :class:`SweepError` whose message starts
 with ``FILE:LINE:COLUMN:`` of the offending key or value.
@@ -30,6 +34,8 @@ from gradscope.errors import ConfigError
 #: Flags the sweep sets itself for every run.
 RESERVED = ("out", "overwrite", "resume")
 TOP_KEYS = ("train", "grid")
+#: The grid axis of named flag sets.
+VARIANT = "variant"
 
 
 class SweepError(ConfigError):
@@ -46,10 +52,19 @@ class Setting:
 
 
 @dataclass(frozen=True)
+class Option:
+    """One value of an axis: a flag's value, or a named variant's set of flags."""
+
+    value: object                    # the flag's value, or the variant's name
+    where: str
+    settings: tuple[Setting, ...]
+
+
+@dataclass(frozen=True)
 class SweepSpec:
     path: Path
-    train: tuple[Setting, ...]                      # fixed flags
-    axes: tuple[tuple[str, tuple[Setting, ...]], ...]  # (flag, values) in file order
+    train: tuple[Setting, ...]                       # fixed flags
+    axes: tuple[tuple[str, tuple[Option, ...]], ...]  # (flag or "variant", options) in file order
 
 
 def train_fields() -> dict[str, type | None]:
@@ -98,24 +113,66 @@ def load_spec(path: str | Path) -> SweepSpec:
             raise SweepError(f"{_where(path, key_node.start_mark)}: {key!r} given twice")
         if not isinstance(value_node, yaml.MappingNode):
             raise SweepError(f"{_where(path, value_node.start_mark)}: {key!r} must be a mapping of flag: value")
-        items, seen = [], []
+        if key == "train":
+            sections[key] = _settings(path, value_node, fields)
+            continue
+        seen: list[str] = []
         for flag_node, v_node in value_node.value:
+            if flag_node.value == VARIANT and key == "grid":
+                if VARIANT in seen:
+                    raise SweepError(f"{_where(path, flag_node.start_mark)}: {VARIANT!r} given twice")
+                seen.append(VARIANT)
+                axes.append((VARIANT, _variants(path, v_node, fields)))
+                continue
             flag = _flag_name(path, flag_node, fields, seen)
             seen.append(flag)
-            if key == "train":
-                items.append(Setting(flag, _value(path, v_node, flag, fields[flag]), _where(path, v_node.start_mark)))
-                continue
             values = v_node.value if isinstance(v_node, yaml.SequenceNode) else [v_node]
             if not values:
                 raise SweepError(f"{_where(path, v_node.start_mark)}: axis {flag!r} has no values")
-            axes.append((flag, tuple(Setting(flag, _value(path, n, flag, fields[flag]), _where(path, n.start_mark))
-                                     for n in values)))
-        sections[key] = tuple(items)
+            options = []
+            for n in values:
+                setting = Setting(flag, _value(path, n, flag, fields[flag]), _where(path, n.start_mark))
+                options.append(Option(setting.value, setting.where, (setting,)))
+            axes.append((flag, tuple(options)))
     fixed = sections.get("train", ())
-    for s in fixed:
-        if s.flag in {a for a, _ in axes}:
-            raise SweepError(f"{s.where}: {s.flag!r} is both a fixed train flag and a grid axis")
+    owner = {s.flag: "a fixed train flag" for s in fixed}
+    for axis, options in axes:
+        flags = {s.flag for o in options for s in o.settings}
+        for o in options:
+            for s in o.settings:
+                if s.flag in owner:
+                    raise SweepError(f"{s.where}: {s.flag!r} is both {owner[s.flag]} and in the grid axis {axis!r}")
+        owner.update({f: f"in the grid axis {axis!r}" for f in flags})
     return SweepSpec(path, fixed, tuple(axes))
+
+
+def _settings(path: Path, node: yaml.MappingNode, fields: dict) -> tuple[Setting, ...]:
+    """``flag: value`` pairs of a mapping (the fixed flags, or one variant's)."""
+    items, seen = [], []
+    for flag_node, v_node in node.value:
+        flag = _flag_name(path, flag_node, fields, seen)
+        seen.append(flag)
+        items.append(Setting(flag, _value(path, v_node, flag, fields[flag]), _where(path, v_node.start_mark)))
+    return tuple(items)
+
+
+def _variants(path: Path, node: yaml.Node, fields: dict) -> tuple[Option, ...]:
+    """The ``variant`` axis: a mapping of names to mappings of flags (``{}`` for none)."""
+    where = _where(path, node.start_mark)
+    if not isinstance(node, yaml.MappingNode) or not node.value:
+        raise SweepError(f"{where}: {VARIANT!r} is a mapping of names to flag mappings, e.g. "
+                         "{none: {}, kl: {kl_coef: 0.05}}")
+    options, names = [], set()
+    for name_node, flags_node in node.value:
+        name, at = str(name_node.value), _where(path, name_node.start_mark)
+        if name in names:
+            raise SweepError(f"{at}: variant {name!r} given twice")
+        names.add(name)
+        if not isinstance(flags_node, yaml.MappingNode):
+            raise SweepError(f"{_where(path, flags_node.start_mark)}: variant {name!r} must be a mapping of "
+                             "flag: value ({} for none)")
+        options.append(Option(name, at, _settings(path, flags_node, fields)))
+    return tuple(options)
 
 
 def _flag_name(path: Path, node: yaml.Node, fields: dict, seen: list[str]) -> str:

@@ -2,8 +2,8 @@
 before any run starts.
 
 A cell's name is its axis values in file order, ``seed`` last (``voting_math_ip_0.3M_seed0``); axes
-other than workflow, task, policy and scale are written ``flag=value`` (``lr=0.003``). Its run file is
-``runs/<name>.h5`` in the sweep folder.
+other than workflow, task, policy, scale and variant are written ``flag=value`` (``lr=0.003``). Its
+run file is ``runs/<name>.h5`` in the sweep folder.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradscope.errors import ConfigError, GradscopeError
-from gradscope.trainers.sweep.config import Setting, SweepError, SweepSpec
+from gradscope.trainers.sweep.config import VARIANT, Setting, SweepError, SweepSpec
 
 #: Axes named by their bare value in a cell's name.
-BARE = ("workflow", "task", "policy", "scale")
+BARE = ("workflow", "task", "policy", "scale", VARIANT)
 
 
 @dataclass(frozen=True)
@@ -99,19 +99,22 @@ def expand(spec: SweepSpec) -> list[Cell]:
     parser = train_parser()
     for s in spec.train:
         _check_value(parser, s, fields[s.flag])
-    for _, values in spec.axes:
-        for s in values:
-            _check_value(parser, s, fields[s.flag])
+    for _, options in spec.axes:
+        for option in options:
+            for s in option.settings:
+                _check_value(parser, s, fields[s.flag])
     fixed = [tok for s in spec.train for tok in to_argv(s)]
-    order = sorted(range(len(spec.axes)), key=lambda i: spec.axes[i][0] == "seed")  # seed last in names
+    axes = [axis for axis, _ in spec.axes]
+    order = sorted(range(len(axes)), key=lambda i: axes[i] == "seed")  # seed last in names
     cells, names = [], set()
-    for combo in itertools.product(*(values for _, values in spec.axes)):
-        name = "_".join(_label(combo[i].flag, combo[i].value) for i in order) or "run"
+    for combo in itertools.product(*(options for _, options in spec.axes)):
+        name = "_".join(_label(axes[i], combo[i].value) for i in order) or "run"
         if name in names:
             raise SweepError(f"{combo[-1].where}: two cells are both named {name!r} (repeated axis values?)")
         names.add(name)
-        argv = [tok for s in combo for tok in to_argv(s)] + fixed
-        cells.append(Cell(name, {s.flag: s.value for s in combo}, argv, tuple(combo)))
+        settings = tuple(s for o in combo for s in o.settings)
+        argv = [tok for s in settings for tok in to_argv(s)] + fixed
+        cells.append(Cell(name, {a: o.value for a, o in zip(axes, combo)}, argv, settings))
     _validate_cells(cells, parser, spec.path)
     return cells
 
