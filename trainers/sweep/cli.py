@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 from gradscope.errors import ConfigError
@@ -27,6 +28,7 @@ def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {folder}: cannot create ({exc.strerror or exc})") from None
+    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: every run is interrupted and closes its file
     with folder_lock(folder):
         planned = plan(cells, folder)
         write_manifest(folder, cells, Path(config))
@@ -35,3 +37,8 @@ def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -
             shutil.copyfile(config, copy)
         outcome = run_cells(planned, folder, jobs)
     return folder, outcome
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt

@@ -1,0 +1,60 @@
+"""Seconds per training step at each testbed scale, measured side by side.
+
+One trainer per scale (Voting/math, IP, the default 8 tasks × 8 rollouts, every step probed, one torch
+thread), all in one process; the steps are interleaved — one step of each scale in turn, ``--steps``
+rounds — so every scale sees the same machine load. Prints the median wall-clock and CPU seconds per
+step of each scale (rollout + update + probe; no evaluation) and their ratios to the smallest scale.
+A scale whose warm start is not cached is built first (minutes to hours: training.md, "Scales").
+
+Run: ``.venv/bin/python benchmarks/bench_scales.py [--steps N] [--scales 0.3M,1.5M,6M]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gradscope.trainers.config import TrainConfig  # noqa: E402
+from gradscope.trainers.distributed import NullWriter  # noqa: E402
+from gradscope.trainers.testbed.scales import SCALES  # noqa: E402
+from gradscope.trainers.train import Trainer  # noqa: E402
+
+
+def main(steps: int = 6, scales: list[str] | None = None) -> dict[str, dict[str, float]]:
+    scales = scales or list(SCALES)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainers = {s: Trainer(TrainConfig(scale=s, steps=steps, eval_every=0, checkpoint_every=0, threads=1,
+                                           out=os.path.join(tmp, f"{s}.h5"))) for s in scales}
+        wall: dict[str, list[float]] = {s: [] for s in scales}
+        cpu: dict[str, list[float]] = {s: [] for s in scales}
+        for step in range(1, steps + 2):  # the first round warms up and is not counted
+            for s, trainer in trainers.items():
+                t, c = time.perf_counter(), time.process_time()
+                trainer.train_step(step, NullWriter())
+                if step > 1:
+                    wall[s].append(time.perf_counter() - t)
+                    cpu[s].append(time.process_time() - c)
+    out = {s: {"wall": statistics.median(wall[s]), "cpu": statistics.median(cpu[s]),
+               "params": sum(p.numel() for n, p in trainers[s].model.named_parameters() if "lora_" not in n)}
+           for s in scales}
+    base = out[scales[0]]
+    print(f"seconds per training step (Voting/math IP, 8 tasks x 8 rollouts, 1 thread; median of {steps}, "
+          f"interleaved)")
+    print(f"{'scale':>6s} {'parameters':>11s} {'wall s':>8s} {'cpu s':>7s} {'wall ratio':>10s} {'cpu ratio':>9s}")
+    for s, r in out.items():
+        print(f"{s:>6s} {r['params']:>11,d} {r['wall']:>8.3f} {r['cpu']:>7.3f} {r['wall'] / base['wall']:>10.2f} "
+              f"{r['cpu'] / base['cpu']:>9.2f}")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--scales", default=",".join(SCALES))
+    args = parser.parse_args()
+    main(args.steps, [s.strip() for s in args.scales.split(",") if s.strip()])
