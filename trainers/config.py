@@ -22,6 +22,7 @@ class TrainConfig:
     task_level: int = flag(1, "difficulty level of generated tasks (1-3)")
     policy: str = flag("ip", "ip | sp | role=adapter,... (e.g. voter=a,aggregator=b)")
     model: str = flag("testbed", "'testbed' or a local Hugging Face causal-LM folder")
+    dtype: str = flag("auto", "weights' dtype: auto (bf16 for a real model on CUDA, else fp32) | fp32 | bf16")
     scale: str = flag("0.3M", "testbed size: 0.3M | 1.5M | 6M parameters (stand-ins for Qwen3 0.6B / 1.7B / 4B; "
                               "each its own cached warm start)")
     steps: int = flag(200, "training steps")

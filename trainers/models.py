@@ -38,22 +38,30 @@ def check_model_path(model: str) -> None:
                           f"use a path or 'testbed'")
 
 
-def device_and_dtype() -> tuple[torch.device, torch.dtype]:
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def load_base(model: str, seed: int, verbose: bool = False, scale: str = "0.3M"):
+def device_and_dtype(model: str = "", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """The device (CUDA when available) and the weights' dtype: ``auto`` is bf16 for a real model on
+    CUDA and fp32 otherwise (the testbed is trained in fp32 unless told ``bf16``)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    if dtype != "auto":
+        return device, DTYPES[dtype]
+    return device, torch.bfloat16 if cuda and model != TESTBED else torch.float32
+
+
+def load_base(model: str, seed: int, verbose: bool = False, scale: str = "0.3M", dtype: str = "auto"):
     """(base model, tokenizer, template style) for ``model`` ('testbed' at ``scale``, or a local path)."""
     check_model_path(model)
-    device, dtype = device_and_dtype()
+    device, dtype = device_and_dtype(model, dtype)
     if model == TESTBED:
         from gradscope.trainers.testbed.cache import warm_started_model
         from gradscope.trainers.testbed.tokenizer import build_tokenizer
         from gradscope.trainers.testbed.scales import SCALES
 
-        return warm_started_model(SCALES[scale], verbose=verbose).to(device), build_tokenizer(), "testbed"
+        base = warm_started_model(SCALES[scale], verbose=verbose).to(device=device, dtype=dtype)
+        return base, build_tokenizer(), "testbed"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:

@@ -30,7 +30,7 @@ from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
 from gradscope.trainers.config import TrainConfig
 from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
 from gradscope.trainers.grpo import ROLE_BALANCE, STEP_SCALARS, GRPOUpdater
-from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
+from gradscope.trainers.models import DTYPES, LoraSpec, attach_adapters, check_model_path, load_base
 from gradscope.trainers.per_role import role_values
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
@@ -77,6 +77,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
     check_model_path(cfg.model)
+    if cfg.dtype not in ("auto", *DTYPES):
+        raise ConfigError(f"unknown --dtype {cfg.dtype!r}; use auto, {', '.join(DTYPES)}")
     if cfg.scale not in SCALES:
         raise ConfigError(f"unknown --scale {cfg.scale!r}; use one of {', '.join(SCALES)}")
     out = Path(cfg.out)
@@ -117,7 +119,7 @@ class Trainer:
         np.random.seed(cfg.seed)
         # rank 0 builds the testbed's warm-start cache, the others then load it
         with dist.main_first() if cfg.model == "testbed" else nullcontext():
-            base, tok, style = load_base(cfg.model, cfg.seed, verbose=self.verbose, scale=cfg.scale)
+            base, tok, style = load_base(cfg.model, cfg.seed, verbose=self.verbose, scale=cfg.scale, dtype=cfg.dtype)
         self.policy = parse_policy(cfg.policy, list(dict.fromkeys(workflow_cls.agent_roles.values())))
         self.model = attach_adapters(base, self.policy.adapters, LoraSpec(cfg.lora_rank, cfg.lora_alpha), cfg.seed)
         if dist.rank:  # identical adapters everywhere, different rollouts on each rank
