@@ -85,6 +85,17 @@ def flat_config(series: RunSeries) -> dict[str, object]:
     return out
 
 
+def group_by_config(series: Sequence[RunSeries], ignore: Sequence[str] = ()) -> dict[str, list[RunSeries]]:
+    """Runs grouped by their whole config (flattened, without :data:`RUN_KEYS` and ``ignore``), in order."""
+    import json
+
+    out: dict[str, list[RunSeries]] = {}
+    for s in series:
+        config = {k: v for k, v in flat_config(s).items() if k not in RUN_KEYS and k not in ignore}
+        out.setdefault(json.dumps(config, sort_keys=True, default=str), []).append(s)
+    return out
+
+
 def varying_keys(series: Sequence[RunSeries], exclude: Sequence[str] = ()) -> list[str]:
     """Flag names whose values differ between the runs (beyond :data:`RUN_KEYS`, ``exclude`` and
     what :func:`describe` already shows), in config order."""

@@ -18,7 +18,8 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
                  formats: str | Sequence[str] = ("png",), on_skip: Callable[[str], None] = _note) -> list[Path]:
     """Write the figures of the demo's runs into ``out_dir`` (default: the first run's folder).
 
-    Writes ``cliffs`` (every run, one column each), ``ip_vs_sp`` (when both policies are there),
+    Writes ``cliffs`` (every run, one column each), ``ip_vs_sp`` (for runs that differ only in their
+    policy, when both policies are there; ``ip_vs_sp_2``... for further such groups),
     ``<run>_shares`` for each SP run, ``<run>_alignment`` for each run, and the summary table
     ``summary.md``. A figure that does not apply (e.g. shares of an IP run) is skipped and
     ``on_skip`` is told why; unreadable run files raise RunFileError. Returns the paths written.
@@ -44,8 +45,10 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
         written.extend(save(fig, out / name, formats))
 
     attempt("cliffs", lambda: cliff_figure(series))
-    if {data.policy_of(s) for s in series} >= {"ip", "sp"}:
-        attempt("ip_vs_sp", lambda: ip_vs_sp_figure(series))
+    pairs = [g for g in data.group_by_config(series, ignore=("policy", "seed")).values()
+             if {data.policy_of(s) for s in g} >= {"ip", "sp"}]
+    for i, group in enumerate(pairs):
+        attempt("ip_vs_sp" + (f"_{i + 1}" if i else ""), lambda g=group: ip_vs_sp_figure(g))
     for s in series:
         if s.shared_sets:
             attempt(f"{data.stem(s)}_shares", lambda s=s: shares_figure(s))

@@ -1,6 +1,9 @@
-"""``gradscope demo``: Voting on math with Isolated- and Shared-Policy on the testbed, probed.
+"""``gradscope demo``: Voting on math with Isolated- and Shared-Policy on the testbed, probed, and a
+short run where a phenomenon occurs.
 
-Writes ``ip.h5`` and ``sp.h5`` into the output folder and prints, per run, the held-out accuracy of
+Writes ``ip.h5`` and ``sp.h5`` (the healthy pair at the testbed defaults) and ``hot.h5`` (IP at 10×
+the learning rate, where accuracy falls off a terminal cliff within about 15 steps, announced by the
+default ``cliff-early`` alert) into the output folder, and prints, per run, the held-out accuracy of
 the base model, the peak and the final one, and what the probe saw (voter–aggregator Gram entries
 are exactly 0 under IP, where the roles own disjoint adapters, and not under SP).
 """
@@ -14,26 +17,36 @@ import numpy as np
 from gradscope.runfile import open_run
 from gradscope.trainers.cli import run_with_progress
 from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.grpo import GRPOConfig
 from gradscope.trainers.testbed import cache
 from gradscope.trainers.train import Trainer
 
 
 #: Seconds per demo training step (rollout, update, probe, amortised evaluation) on one idle core.
 SECONDS_PER_STEP = 0.45
+#: The run in a regime where a phenomenon occurs: IP at 10x the testbed's learning rate.
+HOT = dict(policy="ip", lr=1e-2, steps=30, eval_every=5)
 
 
 def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"demo: Voting/math, IP then SP, {steps} steps each; torch threads: "
-          f"{threads or '1 (testbed default; --threads N for more)'}; expected about "
-          f"{2 * steps * SECONDS_PER_STEP / 60:.0f} min on an idle machine, plus about "
+    total = 2 * steps + HOT["steps"]
+    print(f"demo: Voting/math, IP then SP, {steps} steps each, then IP at 10x the learning rate for "
+          f"{HOT['steps']} steps; torch threads: {threads or '1 (testbed default; --threads N for more)'}; "
+          f"expected about {total * SECONDS_PER_STEP / 60:.0f} min on an idle machine, plus about "
           f"{cache.EXPECTED_SECONDS / 60:.0f} min once to build the testbed warm start", flush=True)
+    runs = [("ip", dict(policy="ip", steps=steps, eval_every=10)), ("sp", dict(policy="sp", steps=steps, eval_every=10)),
+            ("hot", HOT)]
     paths = []
-    for policy in ("ip", "sp"):
+    for name, settings in runs:
+        if name == "hot":
+            print(f"\ndemo: a regime where a phenomenon occurs: IP at lr {HOT['lr']:g} (10x), evaluations every "
+                  f"{HOT['eval_every']} steps; watch the default alerts", flush=True)
         t0 = time.perf_counter()
-        cfg = TrainConfig(workflow="voting", task="math", policy=policy, steps=steps, eval_every=10,
-                          out=str(out_dir / f"{policy}.h5"), overwrite=True, checkpoint_every=0, threads=threads)
+        cfg = TrainConfig(workflow="voting", task="math", out=str(out_dir / f"{name}.h5"), overwrite=True,
+                          checkpoint_every=0, threads=threads, grpo=GRPOConfig(lr=settings.get("lr", 0.0)),
+                          **{k: v for k, v in settings.items() if k != "lr"})
         paths.append(run_with_progress(Trainer(cfg, verbose=True)))
         print(summary(paths[-1]) + f"\n  time      {time.perf_counter() - t0:.0f} s", flush=True)
     return paths

@@ -1,0 +1,320 @@
+"""Regenerates every table of docs/reproduction.md from the sweep folders.
+
+    python sweeps/reproduce.py                      # print every table
+    python sweeps/reproduce.py --write docs/reproduction.md
+    python sweeps/reproduce.py --check docs/reproduction.md   # exit 1 if the document's tables differ
+
+A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<!-- /table -->``;
+``--write`` replaces each block's content with the table regenerated from the folders under
+``--root`` (default ``sweeps/out``, where ``gradscope sweep sweeps/NAME.yaml`` writes
+``sweeps/out/NAME``). A table whose folders are missing says so instead of failing.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from gradscope.analyses.report import AnalysisConfig, analyze_series
+from gradscope.analyses.series import RunSeries
+from gradscope.figures import data
+from gradscope.figures.sweepdir import folder_runs
+from gradscope.figures.table import cell_table, format_cell_table, summary_table
+
+HERE = Path(__file__).resolve().parent
+#: Every sweep behind the document, in the order the document uses them.
+SWEEPS = ("voting_math_long", "voting_math_cliff", "voting_math_scale", "workflows_math", "workflows_code")
+#: The coherence of independent agents of a 3-agent role, 1/√3.
+INDEPENDENT = 1 / np.sqrt(3)
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+class Folders:
+    """The runs of the sweep folders under ``root`` (loaded once)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @lru_cache(maxsize=None)
+    def runs(self, name: str) -> tuple[RunSeries, ...]:
+        folder = self.root / name
+        if not folder.is_dir():
+            return ()
+        return tuple(data.load(p)[0] for p in folder_runs(folder))
+
+    @lru_cache(maxsize=None)
+    def report(self, name: str, index: int):
+        return analyze_series(self.runs(name)[index], AnalysisConfig())
+
+    def reports(self, name: str) -> list:
+        return [self.report(name, i) for i in range(len(self.runs(name)))]
+
+
+def _missing(names: tuple[str, ...] | list[str], folders: Folders) -> str | None:
+    gone = [n for n in names if not folders.runs(n)]
+    return f"*(not run yet: {', '.join(f'sweeps/out/{n}' for n in gone)})*\n" if gone else None
+
+
+def _pm(values) -> str:
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    if not len(v):
+        return "–"
+    return f"{v.mean():.3f} ± {v.std(ddof=1):.3f}" if len(v) > 1 else f"{v.mean():.3f}"
+
+
+def _md(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _variant(s: RunSeries) -> str:
+    c = data.flat_config(s)
+    parts = []
+    if str(c.get("kl_coef", 0)) not in ("0", "0.0"):
+        parts.append(f"KL {c['kl_coef']}")
+    if str(c.get("coherence_reg", 0)) not in ("0", "0.0"):
+        parts.append(f"coherence {c['coherence_reg']}")
+    if c.get("role_balance", "none") != "none":
+        parts.append(f"balance {c['role_balance']}")
+    return ", ".join(parts) or "none"
+
+
+# ------------------------------------------------------------------ tables
+def table1(name: str):
+    def make(folders: Folders) -> str:
+        runs = folders.runs(name)
+        if not runs:
+            return _missing([name], folders)
+        extra = data.varying_keys(runs, exclude=("seed",))
+        keys = ["workflow", "task", "model", "policy", *extra]
+        return format_cell_table(cell_table(summary_table(runs, extra), keys), keys, "md")
+    return make
+
+
+def compute(folders: Folders) -> str:
+    """Runs, training steps and CPU time of every sweep (from the sweep logs' ``/usr/bin/time`` line)."""
+    rows, total = [], 0.0
+    for name in SWEEPS:
+        runs = folders.runs(name)
+        log = folders.root / f"{name}.log"
+        cpu = None
+        if log.is_file():
+            found = re.findall(r"cpu ([\d.]+) ([\d.]+) wall ([\d.]+)", log.read_text(errors="replace"))
+            if found:
+                cpu = sum(float(u) + float(s) for u, s, _ in found) / 3600
+                total += cpu
+        steps = sum(int(s.steps[-1]) if len(s.steps) else 0 for s in runs)
+        rows.append([f"`sweeps/{name}.yaml`", len(runs), steps, "–" if cpu is None else f"{cpu:.2f}"])
+    rows.append(["total", sum(r[1] for r in rows), sum(r[2] for r in rows), f"{total:.2f}"])
+    return _md(["sweep", "runs", "training steps", "CPU hours"], rows)
+
+
+def claim1(folders: Folders) -> str:
+    """Does MARL beat the base model? Per cell (policy at default settings): Δ = final − base."""
+    names = ["workflows_math", "workflows_code", "voting_math_long", "voting_math_scale"]
+    rows, beats, cells = [], 0, 0
+    for name in names:
+        runs = [s for s in folders.runs(name) if _variant(s) == "none"]
+        groups: dict[tuple, list[RunSeries]] = {}
+        for s in runs:
+            d = data.describe(s)
+            groups.setdefault((d["workflow"], d["task"], d["model"], d["policy"]), []).append(s)
+        for (wf, task, model, policy), ss in groups.items():
+            t = summary_table(ss)
+            delta, peak = t["delta"].astype(float), (t["peak"] - t["base"]).astype(float)
+            cells += 1
+            beats += bool(delta.mean() > 0)
+            rows.append([name, wf, task, model, policy.upper(), int(ss[0].steps[-1]), len(ss), _pm(t["base"]),
+                         _pm(delta), f"{int((delta > 0).sum())}/{len(ss)}", _pm(peak)])
+    if not rows:
+        return _missing(names, folders)
+    out = _md(["sweep", "workflow", "task", "model", "policy", "steps", "seeds", "base", "Δ final − base",
+               "seeds Δ > 0", "peak − base"], rows)
+    return out + f"\nMean Δ > 0 in **{beats} of {cells}** cells.\n"
+
+
+def _drop_before(acc: pd.Series, until: int) -> float:
+    """Largest fall of the accuracy below its running peak among evaluations at steps ≤ ``until``."""
+    a = acc[acc.index <= until].to_numpy(dtype=float)
+    return float(np.max(np.maximum.accumulate(a) - a)) if len(a) else np.nan
+
+
+def claims23(folders: Folders) -> str:
+    """IP vs SP: peak, final, cliff rate, the largest early drop (first half of the run)."""
+    names = ["voting_math_long", "voting_math_cliff", "voting_math_scale", "workflows_math", "workflows_code"]
+    rows = []
+    for name in names:
+        runs = [s for s in folders.runs(name) if _variant(s) == "none"]
+        groups: dict[tuple, dict[str, list[RunSeries]]] = {}
+        for s in runs:
+            d = data.describe(s)
+            lr = data.flat_config(s).get("lr")
+            groups.setdefault((d["workflow"], d["task"], d["model"], lr), {}).setdefault(d["policy"], []).append(s)
+        for (wf, task, model, lr), by in groups.items():
+            if not {"ip", "sp"} <= set(by):
+                continue
+            cells = []
+            for policy in ("ip", "sp"):
+                ss = by[policy]
+                t = summary_table(ss)
+                half = int(ss[0].steps[-1]) // 2
+                early = [_drop_before(s.accuracy, half) for s in ss]
+                cliffs = int(sum(bool(c) for c in t["cliff"].dropna()))
+                cells += [_pm(t["peak"]), _pm(t["final"]), f"{cliffs}/{len(ss)}", _pm(early)]
+            rows.append([name, f"{wf}/{task}", model, f"{lr:g}", *cells])
+    if not rows:
+        return _missing(names, folders)
+    return _md(["sweep", "cell", "model", "lr", "IP peak", "IP final", "IP cliffs", "IP early drop",
+                "SP peak", "SP final", "SP cliffs", "SP early drop"], rows)
+
+
+def claim4(folders: Folders) -> str:
+    """Same-role amplification under IP: coherence of the multi-agent roles, and the update channel."""
+    rows = []
+    for name in SWEEPS:
+        for i, s in enumerate(folders.runs(name)):
+            d = data.describe(s)
+            if d["policy"] != "ip" or _variant(s) != "none":
+                continue
+            for r, role in enumerate(s.roles):
+                if s.n_agents[r] < 2:
+                    continue
+                coh = s.coherence[:, r]
+                coh = coh[np.isfinite(coh)]
+                if not len(coh):
+                    continue
+                q = max(1, len(coh) // 4)
+                found = sum(f.kind == "amplification" and f.role == role for f in folders.report(name, i).findings)
+                ratio = _update_ratio(s, role)
+                rows.append((name, f"{d['workflow']}/{d['task']}", d["model"], role, data.flat_config(s).get("lr"),
+                             float(np.median(coh)), float(np.percentile(coh, 90)), float(np.mean(coh > 0.75)),
+                             float(np.median(coh[:q])), float(np.median(coh[-q:])), found, ratio))
+    if not rows:
+        return _missing(list(SWEEPS), folders)
+    df = pd.DataFrame(rows, columns=["sweep", "cell", "model", "role", "lr", "median", "p90", "above", "first",
+                                     "last", "found", "ratio"])
+    out = []
+    for (sweep, cell, model, role, lr), g in df.groupby(["sweep", "cell", "model", "role", "lr"], sort=False):
+        out.append([sweep, cell, model, role, f"{lr:g}", len(g), f"{g['median'].mean():.3f}", f"{g['p90'].mean():.3f}",
+                    f"{g['above'].mean():.3f}", f"{g['first'].mean():.3f} → {g['last'].mean():.3f}",
+                    int(g["found"].sum()), f"{g['ratio'].mean():.2f}" if g["ratio"].notna().any() else "–"])
+    return _md(["sweep", "cell", "model", "role", "lr", "runs", "coherence median", "p90", "steps > 0.75",
+                "first → last quarter", "amplification findings", "update ratio"], out) + (
+        f"\nIndependent agents: coherence 1/√3 = {INDEPENDENT:.3f}. Update ratio: median over steps of the "
+        "role's policy `update_rel` over the other policies' median (IP: the role's adapter moves this many "
+        "times as far, relative to its norm, per training step).\n")
+
+
+def _update_ratio(s: RunSeries, role: str) -> float:
+    m = s.metrics
+    cols = {c.split("/", 1)[1]: m[c].to_numpy(dtype=float) for c in m.columns if c.startswith("update_rel/")}
+    if role not in cols or len(cols) < 2:
+        return np.nan
+    others = np.nanmedian(np.stack([v for p, v in cols.items() if p != role], axis=1), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = cols[role] / others
+    ratio = ratio[np.isfinite(ratio)]
+    return float(np.median(ratio)) if len(ratio) else np.nan
+
+
+def claim5(folders: Folders) -> str:
+    """SP capture: the dominant role's contribution, token and per-token shares; capture findings."""
+    rows = []
+    for name in SWEEPS:
+        for i, s in enumerate(folders.runs(name)):
+            d = data.describe(s)
+            if d["policy"] != "sp" or _variant(s) != "none" or not s.shared_sets:
+                continue
+            st = s.set_stats(next(iter(s.shared_sets)))
+            share = np.nanmedian(st["share"], axis=0)
+            j = int(np.nanargmax(share))
+            found = [f for f in folders.report(name, i).findings if f.kind == "capture"]
+            rows.append((name, f"{d['workflow']}/{d['task']}", d["model"], data.flat_config(s).get("lr"),
+                         str(st["roles"][j]), float(share[j]), float(np.nanmedian(st["token_share"][:, j])),
+                         float(np.nanmedian(st["per_token_share"][:, j])), len(found),
+                         ",".join(sorted({f.evidence["explained_by"] for f in found}))))
+    if not rows:
+        return _missing(list(SWEEPS), folders)
+    df = pd.DataFrame(rows, columns=["sweep", "cell", "model", "lr", "role", "share", "tok", "ptok", "n", "why"])
+    out = []
+    for (sweep, cell, model, lr, role), g in df.groupby(["sweep", "cell", "model", "lr", "role"], sort=False):
+        out.append([sweep, cell, model, f"{lr:g}", role, len(g), f"{g['share'].mean():.3f}", f"{g['tok'].mean():.3f}",
+                    f"{g['ptok'].mean():.3f}", int(g["n"].sum()), ", ".join(sorted({w for w in g["why"] if w})) or "–"])
+    return _md(["sweep", "cell", "model", "lr", "dominant role", "runs", "contribution share", "token share",
+                "per-token share", "capture findings", "explained by"], out)
+
+
+def mitigations(folders: Folders) -> str:
+    runs = folders.runs("voting_math_cliff")
+    if not runs:
+        return _missing(["voting_math_cliff"], folders)
+    groups: dict[tuple, list[RunSeries]] = {}
+    for s in runs:
+        groups.setdefault((data.policy_of(s), _variant(s)), []).append(s)
+    rows = []
+    for (policy, variant), ss in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "none", kv[0][1])):
+        t = summary_table(ss)
+        cliffs = int(sum(bool(c) for c in t["cliff"].dropna()))
+        rows.append([policy.upper(), variant, len(ss), f"{cliffs}/{len(ss)}", _pm(t["peak"]), _pm(t["final"]),
+                     _pm(t["delta"])])
+    return _md(["policy", "mitigation", "seeds", "cliffs", "peak", "final", "Δ final − base"], rows)
+
+
+TABLES = {
+    "compute": compute,
+    "claim1": claim1,
+    "claims23": claims23,
+    "claim4": claim4,
+    "claim5": claim5,
+    "mitigations": mitigations,
+    **{f"table1.{name}": table1(name) for name in SWEEPS},
+}
+
+
+def regenerate(text: str, folders: Folders, extra: dict | None = None) -> str:
+    """The document with every table block replaced (unknown names: ValueError)."""
+    tables = {**TABLES, **(extra or {})}
+
+    def replace(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in tables:
+            raise ValueError(f"unknown table {name!r} in the document; known: {', '.join(tables)}")
+        return m.group(1) + tables[name](folders) + m.group(4)
+
+    return BLOCK.sub(replace, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=HERE / "out", help="folder of the sweep folders")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", type=Path, help="rewrite the tables of this document in place")
+    mode.add_argument("--check", type=Path, help="exit 1 if this document's tables are not the regenerated ones")
+    args = parser.parse_args(argv)
+    folders = Folders(args.root)
+    if args.write or args.check:
+        doc = args.write or args.check
+        old = doc.read_text()
+        new = regenerate(old, folders)
+        if args.write:
+            doc.write_text(new)
+            print(f"wrote {doc} ({len(BLOCK.findall(new))} tables)")
+            return 0
+        if new != old:
+            print(f"{doc}: tables differ from the sweep folders' (run with --write)", file=sys.stderr)
+            return 1
+        print(f"{doc}: every table matches the sweep folders")
+        return 0
+    for name, make in TABLES.items():
+        print(f"<!-- table: {name} -->\n{make(folders)}<!-- /table -->\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
