@@ -67,6 +67,10 @@ def _pm(values) -> str:
     return f"{v.mean():.3f} ± {v.std(ddof=1):.3f}" if len(v) > 1 else f"{v.mean():.3f}"
 
 
+def _num(v) -> str:
+    return "–" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:g}"
+
+
 def _md(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
@@ -167,7 +171,7 @@ def claims23(folders: Folders) -> str:
                 early = [_drop_before(s.accuracy, half) for s in ss]
                 cliffs = int(sum(bool(c) for c in t["cliff"].dropna()))
                 cells += [_pm(t["peak"]), _pm(t["final"]), f"{cliffs}/{len(ss)}", _pm(early)]
-            rows.append([name, f"{wf}/{task}", model, f"{lr:g}", *cells])
+            rows.append([name, f"{wf}/{task}", model, _num(lr), *cells])
     if not rows:
         return _missing(names, folders)
     return _md(["sweep", "cell", "model", "lr", "IP peak", "IP final", "IP cliffs", "IP early drop",
@@ -200,8 +204,9 @@ def claim4(folders: Folders) -> str:
     df = pd.DataFrame(rows, columns=["sweep", "cell", "model", "role", "lr", "median", "p90", "above", "first",
                                      "last", "found", "ratio"])
     out = []
-    for (sweep, cell, model, role, lr), g in df.groupby(["sweep", "cell", "model", "role", "lr"], sort=False):
-        out.append([sweep, cell, model, role, f"{lr:g}", len(g), f"{g['median'].mean():.3f}", f"{g['p90'].mean():.3f}",
+    for (sweep, cell, model, role, lr), g in df.groupby(["sweep", "cell", "model", "role", "lr"], sort=False,
+                                                        dropna=False):
+        out.append([sweep, cell, model, role, _num(lr), len(g), f"{g['median'].mean():.3f}", f"{g['p90'].mean():.3f}",
                     f"{g['above'].mean():.3f}", f"{g['first'].mean():.3f} → {g['last'].mean():.3f}",
                     int(g["found"].sum()), f"{g['ratio'].mean():.2f}" if g["ratio"].notna().any() else "–"])
     return _md(["sweep", "cell", "model", "role", "lr", "runs", "coherence median", "p90", "steps > 0.75",
@@ -243,8 +248,9 @@ def claim5(folders: Folders) -> str:
         return _missing(list(SWEEPS), folders)
     df = pd.DataFrame(rows, columns=["sweep", "cell", "model", "lr", "role", "share", "tok", "ptok", "n", "why"])
     out = []
-    for (sweep, cell, model, lr, role), g in df.groupby(["sweep", "cell", "model", "lr", "role"], sort=False):
-        out.append([sweep, cell, model, f"{lr:g}", role, len(g), f"{g['share'].mean():.3f}", f"{g['tok'].mean():.3f}",
+    for (sweep, cell, model, lr, role), g in df.groupby(["sweep", "cell", "model", "lr", "role"], sort=False,
+                                                        dropna=False):
+        out.append([sweep, cell, model, _num(lr), role, len(g), f"{g['share'].mean():.3f}", f"{g['tok'].mean():.3f}",
                     f"{g['ptok'].mean():.3f}", int(g["n"].sum()), ", ".join(sorted({w for w in g["why"] if w})) or "–"])
     return _md(["sweep", "cell", "model", "lr", "dominant role", "runs", "contribution share", "token share",
                 "per-token share", "capture findings", "explained by"], out)

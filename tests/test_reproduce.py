@@ -1,0 +1,100 @@
+"""``sweeps/reproduce.py`` regenerates the tables of docs/reproduction.md from sweep folders: checked on
+synthetic sweep folders (run files written with RunWriter, no training)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.figures.conftest import write_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def reproduce():
+    spec = importlib.util.spec_from_file_location("reproduce", ROOT / "sweeps" / "reproduce.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep_folder(root: Path, name: str, runs: dict[str, dict]) -> None:
+    """A folder as ``gradscope sweep`` leaves it: runs/<cell>.h5 and cells.json."""
+    (root / name / "runs").mkdir(parents=True)
+    for cell, kw in runs.items():
+        write_run(root / name / "runs" / f"{cell}.h5", **kw)
+    cells = [{"name": c, "run": f"runs/{c}.h5", "axes": {}} for c in runs]
+    (root / name / "cells.json").write_text(json.dumps({"config": name, "cells": cells}))
+    (root / f"{name}.log").write_text("... sweep output ...\ncpu 3600.0 360.0 wall 9000\n")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sweeps")
+    sweep_folder(root, "voting_math_long", {f"{p}_seed{s}": dict(policy=p, seed=s, cliff=(p == "ip" and s == 0))
+                                            for p in ("ip", "sp") for s in (0, 1, 2)})
+    sweep_folder(root, "workflows_math", {f"evalopt_{p}_seed{s}": dict(policy=p, seed=s, workflow="evalopt")
+                                          for p in ("ip", "sp") for s in (0, 1)})
+    return root
+
+
+DOC = """# Reproduction
+
+<!-- table: compute -->
+stale
+<!-- /table -->
+text between
+<!-- table: claim1 -->
+<!-- /table -->
+<!-- table: claims23 -->
+<!-- /table -->
+<!-- table: claim4 -->
+<!-- /table -->
+<!-- table: claim5 -->
+<!-- /table -->
+<!-- table: mitigations -->
+<!-- /table -->
+<!-- table: table1.voting_math_long -->
+<!-- /table -->
+"""
+
+
+def test_tables_are_regenerated_from_the_folders(reproduce, root, tmp_path):
+    doc = tmp_path / "reproduction.md"
+    doc.write_text(DOC)
+    assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 1
+    assert reproduce.main(["--root", str(root), "--write", str(doc)]) == 0
+    text = doc.read_text()
+    assert "stale" not in text and "text between" in text
+    assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 0
+
+    blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(text)}
+    # compute: 6 + 4 runs, 40 steps each; 2 × 1.1 CPU hours from the logs' time lines
+    assert "| total | 10 | 400 | 2.20 |" in blocks["compute"]
+    assert "not run yet" in blocks["mitigations"]
+    # claim 1: one row per (workflow, task, model, policy); the cliff run is IP seed 0 and ends below base
+    claim1 = blocks["claim1"]
+    assert claim1.count("| voting_math_long | voting | math | testbed | ") == 2
+    assert claim1.count("| workflows_math | evalopt | math | testbed | ") == 2
+    assert "| IP | 40 | 3 |" in claim1 and "| 2/3 |" in claim1 and "| 3/3 |" in claim1
+    assert "Mean Δ > 0 in **" in claim1
+    # claims 2-3: IP had one terminal cliff of 3, SP none
+    row = next(line for line in blocks["claims23"].splitlines() if line.startswith("| voting_math_long"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[6] == "1/3" and cells[10] == "0/3"
+    # claim 4: the voters' coherence under IP; claim 5: SP's dominant role
+    assert "| voting_math_long | voting/math | testbed | voter | – | 3 |" in blocks["claim4"]
+    assert "| voting_math_long | voting/math | testbed | – | voter | 3 |" in blocks["claim5"]
+    # Table 1 of a folder: one row per policy, 3 seeds each, the cliff counted
+    t1 = blocks["table1.voting_math_long"]
+    assert "| voting | math | testbed | IP | 3 |" in t1 and t1.rstrip().endswith("| 0/3 |") and "| 1/3 |" in t1
+
+
+def test_unknown_table_is_an_error(reproduce, root, tmp_path):
+    doc = tmp_path / "r.md"
+    doc.write_text("<!-- table: nope -->\n<!-- /table -->\n")
+    with pytest.raises(ValueError, match="unknown table 'nope'"):
+        reproduce.main(["--root", str(root), "--write", str(doc)])
