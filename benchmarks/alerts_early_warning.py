@@ -25,10 +25,13 @@ from gradscope.alerts.watch import watch  # noqa: E402
 CLIFF_RULES = ("cliff-early", "cliff")
 
 
-def measure(path: str) -> dict:
-    report = analyze_series(load(path)[0], AnalysisConfig())
+def measure(path: str, rules=DEFAULT_RULES, report=None) -> dict:
+    """The cliff onset (None without a cliff), each rule's first firing step (by rule name), the lead
+    of the earliest cliff rule and the number of alerts, for one run file (``report``: its analysis,
+    if already made)."""
+    report = report or analyze_series(load(path)[0], AnalysisConfig())
     cliffs = [f for f in report.findings if f.kind == "cliff"]
-    fired = watch(path, DEFAULT_RULES, poll=0.01, idle=0.05, echo=lambda line: None)
+    fired = watch(path, rules, poll=0.01, idle=0.05, echo=lambda line: None)
     first: dict[str, int] = {}
     for a in fired:
         first.setdefault(a.rule.name, a.step)

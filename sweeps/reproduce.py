@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from gradscope.alerts import DEFAULT_RULES, parse_rule
 from gradscope.analyses.report import AnalysisConfig, analyze_series
 from gradscope.analyses.series import RunSeries
 from gradscope.figures import data
@@ -256,6 +257,59 @@ def claim5(folders: Folders) -> str:
                 "per-token share", "capture findings", "explained by"], out)
 
 
+#: The default rules, and candidates for an earlier or more specific warning (docs/reproduction.md).
+CANDIDATE_RULES = (*DEFAULT_RULES, *(parse_rule(text, name=name) for name, text in (
+    ("update-jump", "update_rel[*] > 2x median(20) for 3"),
+    ("grad-jump", "grad_norm[*] > 3x median(20) for 3"),
+)))
+
+
+def _early_warning():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("alerts_early_warning",
+                                                  HERE.parent / "benchmarks" / "alerts_early_warning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def leads(folders: Folders) -> str:
+    """Which signal leads the cliffs, by how much, and how often it fires on runs without a cliff:
+    every run of every sweep, the alert rules replayed as ``gradscope watch`` would (causal), and the
+    analyser's lead indicators (which signal left its pre-peak baseline first)."""
+    measure = _early_warning().measure
+    rows, signals = [], {}
+    for name in SWEEPS:
+        for i, s in enumerate(folders.runs(name)):
+            if len(s.accuracy) < 3:
+                continue
+            report = folders.report(name, i)
+            rows.append(measure(s.name, CANDIDATE_RULES, report))
+            for f in report.findings:
+                if f.kind == "cliff":
+                    for lead in f.evidence["lead_indicators"]:  # share[voter@shared] → share[voter]
+                        signals.setdefault(re.sub(r"@[^\]]*", "", lead["signal"]), []).append(lead["lead"])
+    if not rows:
+        return _missing(list(SWEEPS), folders)
+    cliff = [r for r in rows if r["onset"] is not None]
+    healthy = [r for r in rows if r["onset"] is None]
+    out = []
+    for rule in CANDIDATE_RULES:
+        leads_ = [r["onset"] - r["first"][rule.name] for r in cliff if rule.name in r["first"]]
+        before = [x for x in leads_ if x >= 0]
+        alarms = sum(rule.name in r["first"] for r in healthy)
+        out.append([f"`{rule.name}`", f"`{rule.text}`", f"{len(before)}/{len(cliff)}",
+                    f"{np.median(before):g}" if before else "–", f"{len(leads_) - len(before)}",
+                    f"{alarms}/{len(healthy)}" + (f" ({alarms / len(healthy):.0%})" if healthy else "")])
+    table = _md(["rule", "condition", "fired before the onset (cliff runs)", "median lead (steps)",
+                 "fired after the onset", "fired on runs without a cliff"], out)
+    sig = [[f"`{k}`", len(v), sum(x > 0 for x in v), f"{np.median([x for x in v if x > 0]):g}"
+            if any(x > 0 for x in v) else "–"] for k, v in sorted(signals.items(), key=lambda kv: -len(kv[1]))]
+    return table + "\n" + _md(["signal (analyser)", "cliff runs where it moved", "... before the onset",
+                               "median lead (steps)"], sig)
+
+
 def mitigations(folders: Folders) -> str:
     runs = folders.runs("voting_math_cliff")
     if not runs:
@@ -278,6 +332,7 @@ TABLES = {
     "claims23": claims23,
     "claim4": claim4,
     "claim5": claim5,
+    "leads": leads,
     "mitigations": mitigations,
     **{f"table1.{name}": table1(name) for name in SWEEPS},
 }
