@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from gradscope.trainers.flags import flag
-from gradscope.trainers.grpo import GRPOConfig
+from gradscope.trainers.grpo_config import GRPOConfig
 
 
 
