@@ -1,7 +1,7 @@
 """Trainer tests share one warm-started testbed (built once, ~1 min, then cached on disk)."""
 import pytest
 
-from gradscope.trainers.testbed.warmstart import warm_started_model
+from gradscope.trainers.testbed.cache import warm_started_model
 
 
 @pytest.fixture(scope="session", autouse=True)
