@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
     p.add_argument("--steps", type=int, default=100, help="training steps per run")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (default 0: one, the fastest for the testbed on a shared machine)")
+                   help="torch intra-op threads (0: one, the fastest for the testbed on a shared machine)")
     p.set_defaults(func=_cmd_demo)
 
     from gradscope.analyses.thresholds import add_threshold_arguments  # dataclasses only
