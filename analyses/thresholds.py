@@ -47,9 +47,11 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     """The threshold flags of ``analyze`` and ``compare``, defaulting to the dataclasses' values."""
     a, c, k = AmplificationConfig(), CaptureConfig(), CliffConfig()
     p.add_argument("--coherence", type=float, default=a.coherence, help="amplification: coherence threshold")
-    p.add_argument("--norm-ratio", type=float, default=a.norm_ratio, help="amplification: 'dominant' when the role's norm is this many times the other roles' median")
+    p.add_argument("--norm-ratio", type=float, default=a.norm_ratio,
+                   help="amplification: 'dominant' when the role's norm is this many times the other roles' median")
     p.add_argument("--rise-z", type=float, default=a.rise_z,
-                   help="amplification: 'rising' when the log-norm's slope over the window is this many standard errors above 0")
+                   help="amplification: 'rising' when the log-norm's slope over the window is this many standard "
+                        "errors above 0")
     p.add_argument("--share", type=float, default=c.share, help="capture: contribution-share threshold")
     p.add_argument("--window", type=int, default=a.window, help="steps per detection window")
     p.add_argument("--fraction", type=float, default=a.fraction, help="share of a window above threshold")

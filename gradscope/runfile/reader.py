@@ -304,8 +304,8 @@ class RunReader:
     @property
     def scalars(self) -> pd.DataFrame:
         """One row per record (index = record number): ``step`` (int64), ``policy`` (name; missing
-        where the record has none), then one float64 column per declared scalar (a scalar itself named ``step`` or ``policy``
-        is shown as ``scalar/step``, ``scalar/policy``)."""
+        where the record has none), then one float64 column per declared scalar (a scalar itself
+        named ``step`` or ``policy`` is shown as ``scalar/step``, ``scalar/policy``)."""
         import pandas as pd
 
         values = self._cached("scalars")

@@ -16,8 +16,8 @@ from .math import (answers_equivalent, answers_match, check_answer, extract_answ
 __all__ = [
     "Task", "TaskSet", "TaskError", "TaskFileError", "split", "load_tasks", "TASK_NAMES",
     "generate_math", "load_math_jsonl", "extract_answer", "normalise_answer", "answers_match",
-    "answers_equivalent", "check_answer", "is_correct", "load_humaneval", "generate_toy_code", "toy_body", "toy_program", "build_program",
-    "sandbox_args",
+    "answers_equivalent", "check_answer", "is_correct", "load_humaneval", "generate_toy_code", "toy_body",
+    "toy_program", "build_program", "sandbox_args",
 ]
 
 #: Accepted ``task`` names; ``"code"`` means the toy family unless ``source="humaneval"``.
