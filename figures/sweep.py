@@ -3,9 +3,10 @@
 Each run is placed by its config (``workflow``, ``task``, ``model``, ``policy``; a missing key
 reads ``unknown``; a model path is shown by its last component: gradscope.labels). One panel per
 policy (IP, SP, then any other sharing map), rows = workflow / task, columns = model ordered by
-size (the number before a B/M in its name, e.g. 0.6B < 1.7B < 4B; names without one first). A cell is the mean over its runs (seeds) of the improvement over the base
-model — ``final − base`` by default, ``peak − base`` with ``metric="peak"`` — with its value and,
-for several runs, their number. Runs that differ only in other settings (learning rate, ...) land
+size (the number before a B/M in its name, e.g. 0.6B < 1.7B < 4B; names without one first). A
+cell is the mean over its runs (seeds) of the improvement over the base model — ``final − base``
+by default, ``peak − base`` with ``metric="peak"`` — with its value and, for several runs, their
+number. Runs that differ only in other settings (learning rate, ...) land
 in the same cell: sweep one setting at a time. A cell whose runs have no accuracy evaluations
 says "no data"; a combination with no run is blank grey. One colour scale for all panels,
 diverging around 0 (blue = better than base, red = worse).
