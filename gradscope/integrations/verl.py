@@ -27,6 +27,7 @@ or, in your own process, ``VerlProbe(engine, VerlSettings(...))`` after ``engine
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
@@ -56,6 +57,7 @@ from gradscope.runfile import RunMeta, RunWriter
 SETTINGS_ENV = "GRADSCOPE_VERL"
 #: verl imports the modules listed here in every process that imports verl (its plugin hook).
 VERL_MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
+PLUGIN = "gradscope.integrations.verl"
 #: Per-record scalars (names as in ``gradscope train``'s records): all global over the ranks.
 SCALARS = ["loss", "grad_norm", "lr", "samples", "tokens"]
 #: √ΣM may differ from verl's grad_norm by this relative amount (bf16 compute) before it is reported.
@@ -351,9 +353,14 @@ class VerlProbe:
         self.writer = RunWriter(s.run, meta, flush_every=s.flush_every, overwrite=s.overwrite)
         rules = collect_rules(s.alert, s.alerts or None, s.default_alerts)
         self.monitor = Monitor(rules, order, meta.agent_roles, policies=[s.policy], writer=self.writer,
-                               checkpoint=lambda a: self._pending.__setitem__("checkpoint", a) and None,
-                               stop=lambda a: self._pending.__setitem__("stop", a),
+                               checkpoint=self._request_checkpoint, stop=self._request_stop,
                                **({"echo": self.echo} if self.echo else {}))
+
+    def _request_checkpoint(self, alert: Alert) -> None:
+        self._pending["checkpoint"] = self._pending["checkpoint"] or alert  # saved at the end of the step
+
+    def _request_stop(self, alert: Alert) -> None:
+        self._pending["stop"] = alert
 
     # ------------------------------------------------------------------ training steps
     @contextmanager
@@ -438,3 +445,118 @@ def _versions() -> dict[str, str]:
     import verl
 
     return {"verl": getattr(verl, "__version__", "?")}
+
+
+# ---------------------------------------------------------------------- the worker plug-in and launcher
+def settings_from_env() -> VerlSettings | None:
+    """The settings the launcher put in ``GRADSCOPE_VERL`` (JSON), or None when it is unset."""
+    text = os.environ.get(SETTINGS_ENV)
+    if not text:
+        return None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{SETTINGS_ENV} is not JSON: {exc}") from None
+    return VerlSettings.from_mapping(values)
+
+
+def attach(worker: Any, settings: VerlSettings) -> VerlProbe:
+    """Probe a verl ``TrainingWorker``'s engine; each ``train_mini_batch`` call is one training step."""
+    probe = VerlProbe(worker.engine, settings)
+    mini_batch = worker.train_mini_batch
+
+    @functools.wraps(mini_batch)
+    def train_mini_batch(*args, **kwargs):
+        with probe.training_step():
+            return mini_batch(*args, **kwargs)
+
+    worker.train_mini_batch = train_mini_batch
+    worker.gradscope = probe
+    atexit.register(probe.close)
+    return probe
+
+
+def install() -> None:
+    """Patch verl's ``TrainingWorker.train_mini_batch`` (once per process) so that the first update of a
+    language-model worker attaches a :class:`VerlProbe` when ``GRADSCOPE_VERL`` enables it. Runs when
+    this module is imported with ``GRADSCOPE_VERL`` set (verl imports it in every process through
+    ``VERL_USE_EXTERNAL_MODULES``, or ``actor_rollout_ref.model.external_lib``)."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    original = TrainingWorker.train_mini_batch
+    if getattr(original, "__gradscope__", False):
+        return
+
+    @functools.wraps(original)
+    def train_mini_batch(self, *args, **kwargs):
+        settings = settings_from_env()
+        if (settings is None or not settings.enabled or getattr(self, "gradscope", None) is not None
+                or getattr(self.config, "model_type", "language_model") != "language_model"):
+            return original(self, *args, **kwargs)
+        attach(self, settings)
+        return self.train_mini_batch(*args, **kwargs)  # the instance's probed version
+
+    train_mini_batch.__gradscope__ = True
+    TrainingWorker.train_mini_batch = train_mini_batch
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``gradscope.KEY=VALUE`` (or ``+gradscope.KEY=VALUE``) overrides as settings, and the other arguments.
+
+    Values use Hydra's override grammar (``gradscope.agents=[voter0,voter1]``,
+    ``gradscope.roles={voter0:voter,voter1:voter}``).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    ours, rest = [], []
+    for arg in argv:
+        (ours if arg.lstrip("+").startswith("gradscope.") else rest).append(arg)
+    values: dict[str, Any] = {}
+    if ours:
+        try:
+            parsed = OverridesParser.create().parse_overrides([a.lstrip("+") for a in ours])
+        except Exception as exc:  # hydra's OverrideParseException and friends: one line
+            raise ConfigError(f"bad gradscope override: {' '.join(str(exc).split())}") from None
+        for override in parsed:
+            values[override.key_or_group.split(".", 1)[1]] = override.value()
+    return values, rest
+
+
+def prepare(argv: Sequence[str]) -> tuple[VerlSettings, list[str]]:
+    """Validate the gradscope overrides and hand them to every Ray worker verl starts (its runtime
+    environment's variables): ``GRADSCOPE_VERL`` (the settings) and ``VERL_USE_EXTERNAL_MODULES`` (this
+    module). Returns the settings and verl's own arguments."""
+    values, rest = split_overrides(argv)
+    settings = VerlSettings.from_mapping(values)
+    settings.run = str(Path(settings.run).resolve()) if settings.run else ""
+    from verl.trainer.constants_ppo import PPO_RAY_RUNTIME_ENV
+
+    env = PPO_RAY_RUNTIME_ENV["env_vars"]
+    env[SETTINGS_ENV] = settings.to_json()
+    modules = [m for m in os.environ.get(VERL_MODULES_ENV, "").split(",") if m]
+    env[VERL_MODULES_ENV] = ",".join(dict.fromkeys([*modules, PLUGIN]))
+    for key in (SETTINGS_ENV, VERL_MODULES_ENV):  # verl forwards only variables the driver does not have
+        os.environ.pop(key, None)
+    return settings, rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gradscope.integrations.verl [gradscope.KEY=VALUE ...] <verl main_ppo overrides>``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _, rest = prepare(argv)
+    except GradscopeError as exc:
+        print(f"gradscope: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    from verl.trainer.main_ppo import main as verl_main
+
+    sys.argv = [sys.argv[0], *rest]
+    verl_main()
+    return 0
+
+
+if os.environ.get(SETTINGS_ENV):
+    install()
+
+if __name__ == "__main__":
+    sys.exit(main())
