@@ -180,7 +180,7 @@ class VerlProbe:
         self.probe: Probe | None = None
         self.writer: RunWriter | None = None
         self.monitor: Monitor | None = None
-        self._records: list[tuple[StepResult, dict[str, float]]] = []
+        self.records: list[tuple[StepResult, dict[str, float]]] = []
         self._open_step = None        # the probed step (ProbeStep) of the running forward_backward_batch
         self._batch_scalars: dict[str, float] = {}
         self._logits: torch.Tensor | None = None
@@ -211,7 +211,7 @@ class VerlProbe:
 
         engine.forward_backward_batch, engine.forward_step, engine.optimizer_step = (
             forward_backward_batch, forward_step, optimizer_step)
-        engine.module.register_forward_hook(self._keep_logits)
+        self._handle = engine.module.register_forward_hook(self._keep_logits)
 
     def _keep_logits(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._open_step is not None and torch.is_grad_enabled():
@@ -291,7 +291,7 @@ class VerlProbe:
             scale = 1.0 / self.dp ** 2  # each rank's loss carries a factor D that FSDP's averaging removes
             result = dataclasses.replace(result, gram=result.gram * scale, group_gram=result.group_gram * scale)
             scalars = {**self._batch_scalars, "grad_norm": float(grad_norm), "lr": lr}
-            self._records.append((result, scalars))
+            self.records.append((result, scalars))
             self._check_norm(result, float(grad_norm))
             self.probe.last = None
         return grad_norm
@@ -367,7 +367,7 @@ class VerlProbe:
     def training_step(self) -> Iterator[None]:
         """One training step's actor updates: writes its records, ‖Δθ‖ metrics and alerts on exit."""
         self.step += 1
-        self._records = []
+        self.records = []
         before = [p.detach().clone() for _, p in _probed_params(self.engine.module)]
         yield
         params = [p.detach() for _, p in _probed_params(self.engine.module)]
@@ -375,17 +375,17 @@ class VerlProbe:
         norm_sq = _global_sum([b.double().square().sum() for b in before])
         p = self.settings.policy
         metrics = {f"update_norm/{p}": math.sqrt(delta_sq), f"update_rel/{p}": math.sqrt(delta_sq / max(norm_sq, 1e-30)),
-                   f"opt_steps/{p}": float(len(self._records))}
+                   f"opt_steps/{p}": float(len(self.records))}
         if self.writer is not None:
-            for result, scalars in self._records:
+            for result, scalars in self.records:
                 self.writer.log_step(self.step, result.gram, result.tokens, policy=result.policy, scalars=scalars,
                                      group_gram=result.group_gram if self.settings.groups else None)
             self.writer.log_metrics(self.step, metrics)
         if self.monitor is not None:
-            if self._records:
-                self.monitor.step(self.step, np.stack([r.gram for r, _ in self._records]),
-                                  np.stack([r.tokens for r, _ in self._records]),
-                                  [r.policy for r, _ in self._records], [s for _, s in self._records])
+            if self.records:
+                self.monitor.step(self.step, np.stack([r.gram for r, _ in self.records]),
+                                  np.stack([r.tokens for r, _ in self.records]),
+                                  [r.policy for r, _ in self.records], [s for _, s in self.records])
             self.monitor.metrics(self.step, metrics)
         if self.writer is not None:
             self.writer.flush()
@@ -412,12 +412,16 @@ class VerlProbe:
             raise StopTraining(f"gradscope: alert [{stop.rule.label}] asked to stop after step {self.step}")
 
     def close(self) -> None:
-        """Close the run file (rank 0) and remove the probe's layer hooks."""
+        """Close the run file (rank 0) and give the engine back as it was (methods, hooks)."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         if self.probe is not None:
             self.probe.close()
+            self.probe = None
+        for name in ("forward_backward_batch", "forward_step", "optimizer_step"):
+            self.engine.__dict__.pop(name, None)  # the class's method again
+        self._handle.remove()
 
 
 def _as_list(values: Any) -> list:
@@ -529,6 +533,8 @@ def prepare(argv: Sequence[str]) -> tuple[VerlSettings, list[str]]:
     values, rest = split_overrides(argv)
     settings = VerlSettings.from_mapping(values)
     settings.run = str(Path(settings.run).resolve()) if settings.run else ""
+    if settings.enabled and Path(settings.run).exists() and not settings.overwrite:
+        raise ConfigError(f"gradscope.run: {settings.run} already exists (gradscope.overwrite=true replaces it)")
     from verl.trainer.constants_ppo import PPO_RAY_RUNTIME_ENV
 
     env = PPO_RAY_RUNTIME_ENV["env_vars"]

@@ -158,6 +158,7 @@ def engine_case(out: Path) -> None:
     from verl.workers.utils.losses import ppo_loss
     from functools import partial
 
+    from gradscope.errors import ConfigError
     from gradscope.integrations.verl import VerlProbe, VerlSettings
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -201,11 +202,21 @@ def engine_case(out: Path) -> None:
             first = engine.train_batch(batch(1), loss)
             saved["grad_after"] = flat_grad(engine.module).numpy()
             engine.train_batch(batch(2), loss)
-    for i, (result, scalars) in enumerate(hook._records):
+    for i, (result, scalars) in enumerate(hook.records):
         saved[f"gram{i}"], saved[f"tokens{i}"] = result.gram, result.tokens
         saved[f"scalars{i}"] = np.array([scalars[k] for k in ("loss", "grad_norm", "lr", "samples", "tokens")])
     saved["verl_grad_norm"] = np.array(first["metrics"]["grad_norm"])
     saved["measurement"] = np.array(hook.probe.measurement)
+    if world == 1:  # refusals: packed rows (several agents in one row), rows without an agent field
+        packed, nameless = batch(1), batch(1)
+        tu.assign_non_tensor(packed, use_remove_padding=True)
+        del nameless["agent_name"]
+        for what, td in (("packed", packed), ("nameless", nameless)):
+            try:
+                with hook.training_step(), engine.train_mode():
+                    engine.train_batch(td, loss)
+            except ConfigError as exc:
+                saved[f"error/{what}"] = np.array(str(exc))
     hook.close()
     np.savez(out / f"engine{world}_rank{rank}.npz", **saved)
 
@@ -305,6 +316,13 @@ def test_gram_is_the_brute_force_per_agent_gradients(engine_runs):
 
 
 @pytest.mark.slow
+def test_packed_rows_and_rows_without_an_agent_are_refused(engine_runs):
+    one = dict(np.load(engine_runs[0] / "engine1_rank0.npz"))
+    assert "needs use_remove_padding=False" in str(one["error/packed"])
+    assert "no non-tensor field 'agent_name'" in str(one["error/nameless"])
+
+
+@pytest.mark.slow
 def test_two_processes_give_the_one_process_gram(engine_runs):
     one = dict(np.load(engine_runs[0] / "engine1_rank0.npz"))
     for rank in (0, 1):
@@ -349,6 +367,62 @@ def test_worker_plugin_probes_update_actor(tmp_path):
         assert run.step.tolist() == [1, 1, 2, 2]
         np.testing.assert_allclose(np.sqrt(run.gram.sum((1, 2))), run.scalars["grad_norm"], rtol=1e-5)
         assert (run.tokens.sum(1) > 0).all()
+
+
+def test_settings_are_validated():
+    from gradscope.errors import ConfigError
+    from gradscope.integrations.verl import VerlSettings
+
+    s = VerlSettings.from_mapping({"run": "r.h5", "agents": ["a", "b"], "roles": {"a": "x"}, "sketch": "256",
+                                   "default_alerts": "false", "alert": "grad_norm[x] > 1: warn"})
+    assert (s.agents, s.roles, s.sketch, s.default_alerts, s.alert) == (["a", "b"], {"a": "x"}, 256, False,
+                                                                       ["grad_norm[x] > 1: warn"])
+    bad = [({"run": "r.h5", "sketchy": 1}, "unknown gradscope setting(s) ['sketchy']"),
+           ({"enabled": True}, "gradscope.run: give the run file"),
+           ({"run": "r.h5", "sketch": "many"}, "gradscope.sketch must be a int"),
+           ({"run": "r.h5", "groups": "rows"}, "gradscope.groups must be"),
+           ({"run": "r.h5", "agents": ["a", "a"]}, "must be distinct"),
+           ({"run": "r.h5", "alert": ["coherence[voter] >"]}, "coherence[voter]")]
+    for values, message in bad:
+        with pytest.raises(ConfigError, match=None) as err:
+            VerlSettings.from_mapping(values)
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_launcher_splits_overrides_and_hands_settings_to_ray(tmp_path, monkeypatch):
+    from verl.trainer.constants_ppo import PPO_RAY_RUNTIME_ENV
+
+    from gradscope.integrations.verl import PLUGIN, SETTINGS_ENV, VERL_MODULES_ENV, prepare, split_overrides
+
+    argv = [f"gradscope.run={tmp_path}/run.h5", "+gradscope.agents=[voter0,aggregator]",
+            "gradscope.roles={voter0:voter,aggregator:aggregator}", "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.model.use_remove_padding=False"]
+    values, rest = split_overrides(argv)
+    assert values == {"run": f"{tmp_path}/run.h5", "agents": ["voter0", "aggregator"],
+                      "roles": {"voter0": "voter", "aggregator": "aggregator"}}
+    assert rest == argv[3:]
+    env = PPO_RAY_RUNTIME_ENV["env_vars"]
+    monkeypatch.setitem(PPO_RAY_RUNTIME_ENV, "env_vars", dict(env))
+    monkeypatch.setenv(VERL_MODULES_ENV, "my_plugin")
+    settings, rest = prepare(argv)
+    forwarded = PPO_RAY_RUNTIME_ENV["env_vars"]
+    assert json.loads(forwarded[SETTINGS_ENV])["roles"] == {"voter0": "voter", "aggregator": "aggregator"}
+    assert forwarded[VERL_MODULES_ENV] == f"my_plugin,{PLUGIN}"
+    assert VERL_MODULES_ENV not in os.environ  # else verl's runtime env would leave it to inheritance
+    (tmp_path / "run.h5").write_text("")
+    from gradscope.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="already exists"):
+        prepare(argv)
+
+
+def test_launcher_refuses_bad_settings_in_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "gradscope.integrations.verl", f"gradscope.run={tmp_path}/r.h5",
+                           "gradscope.sketch=-1", "trainer.n_gpus_per_node=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "gradscope: error: gradscope.sketch must be >= 0 and gradscope.flush_every >= 1"
 
 
 if __name__ == "__main__":
