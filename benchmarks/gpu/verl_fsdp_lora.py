@@ -65,10 +65,10 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    if args.tiny:
-        sys.path.insert(0, str(ROOT))
-        from tests.integrations.test_verl import cpu_platform
+    sys.path.insert(0, str(ROOT))
+    from tests.integrations.test_verl import cpu_platform, flat_grad  # the tests' helpers
 
+    if args.tiny:
         cpu_platform()
         dist.init_process_group("gloo")
     else:
@@ -190,17 +190,6 @@ def voting_batch(args: argparse.Namespace, seed: int, rows: slice, only: str | N
                      "advantages": adv}, batch_size=[n])
     td["agent_name"] = NonTensorStack.from_list([NonTensorData(a) for a in agents])
     return left_right_2_no_padding(td[rows])
-
-
-def flat_grad(module):
-    import torch
-
-    parts = []
-    for p in module.parameters():
-        if p.requires_grad:
-            g = torch.zeros_like(p) if p.grad is None else p.grad
-            parts.append((g.full_tensor() if hasattr(g, "full_tensor") else g).reshape(-1).double())
-    return torch.cat(parts)
 
 
 # ---------------------------------------------------------------------- the driver

@@ -153,7 +153,8 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
             pass
     elif kind is str and isinstance(value, (str, int, float)):
         return str(value)
-    raise ConfigError(f"gradscope.{key} must be a {kind.__name__}, got {value!r}")
+    kinds = {bool: "true or false", int: "an integer", str: "a string", list: "a list", dict: "a mapping"}
+    raise ConfigError(f"gradscope.{key} must be {kinds[kind]}, got {value!r}")
 
 
 class VerlProbe:
@@ -260,24 +261,27 @@ class VerlProbe:
             return loss, output
         # The loss reaches the model only through the logits: its gradient is that of Σ w·z, w = ∂loss/∂z.
         (w,) = torch.autograd.grad(kept["loss"], logits)
-        token_loss = (w * logits).sum(-1)                                  # (B, T); exact gradient, not value
-        agent_ids = self._token_agents(kept["data"], w)
+        # (B, T) Σ_v w·z as a batched dot product (no (B, T, V) temporary); its gradient is exactly w.
+        token_loss = (w.unsqueeze(-2) @ logits.unsqueeze(-1)).flatten(-3)
+        agent_ids = self._token_agents(kept["data"], token_loss.detach() != 0)
         self._open_step.backward_tokens(token_loss, agent_ids)
         return loss.detach().requires_grad_(), output  # the engine's loss.backward() reaches no parameter
 
-    def _token_agents(self, data: Any, w: torch.Tensor) -> torch.Tensor:
-        """(B, T) agent index of every logit position that predicts a response token (or carries loss)."""
+    def _token_agents(self, data: Any, carries_loss: torch.Tensor) -> torch.Tensor:
+        """(B, T) agent index of every logit position that predicts a response token under verl's loss
+        mask, or carries loss (``carries_loss``, (B, T) bool); -1 elsewhere."""
         from verl.workers.utils.padding import no_padding_2_padding
 
-        B, T = w.shape[:2]
-        rows = torch.tensor([self.probe.agent_index(a) for a in self._row_agents(data)[0]], device=w.device)
+        B, T = carries_loss.shape
+        device = carries_loss.device
+        rows = torch.tensor([self.probe.agent_index(a) for a in self._row_agents(data)[0]], device=device)
         lengths = data["input_ids"].offsets().diff().tolist()
-        flat = torch.arange(B * T, device=w.device).view(B, T)
+        flat = torch.arange(B * T, device=device).view(B, T)
         packed = torch.cat([flat[b, :n] for b, n in enumerate(lengths)])
         where = no_padding_2_padding(packed, data)                            # (B, R) logit position per slot
         mask = data["loss_mask"]
         mask = (torch.nested.to_padded_tensor(mask, 0) if mask.is_nested else mask).to(torch.bool)
-        owned = (w != 0).any(-1).view(-1)
+        owned = carries_loss.reshape(-1).clone()
         owned[where[mask]] = True
         ids = rows[:, None].expand(B, T).reshape(-1).clone()
         ids[~owned] = -1

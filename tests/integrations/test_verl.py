@@ -379,7 +379,7 @@ def test_settings_are_validated():
                                                                        ["grad_norm[x] > 1: warn"])
     bad = [({"run": "r.h5", "sketchy": 1}, "unknown gradscope setting(s) ['sketchy']"),
            ({"enabled": True}, "gradscope.run: give the run file"),
-           ({"run": "r.h5", "sketch": "many"}, "gradscope.sketch must be a int"),
+           ({"run": "r.h5", "sketch": "many"}, "gradscope.sketch must be an integer"),
            ({"run": "r.h5", "groups": "rows"}, "gradscope.groups must be"),
            ({"run": "r.h5", "agents": ["a", "a"]}, "must be distinct"),
            ({"run": "r.h5", "alert": ["coherence[voter] >"]}, "coherence[voter]")]
