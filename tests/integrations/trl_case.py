@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, Qwen3Config
-from trl import GRPOConfig
+from trl import GRPOConfig, GRPOTrainer
 
 from gradscope.integrations.trl import AGENT_IDS, GradscopeGRPOTrainer
 from gradscope.trainers.testbed.tokenizer import build_tokenizer
@@ -66,11 +66,11 @@ def make_trainer(out_dir: str, *, per_device: int = 16, accumulation: int = 1, l
     """A trainer of one optimizer step on ``per_device`` completions per micro-batch."""
     tok = build_tokenizer()
     model = tiny_model(tok)
-    config_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in GRPOConfig.__dataclass_fields__}
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=per_device,
-                      gradient_accumulation_steps=accumulation, num_generations=GENERATIONS,
-                      max_completion_length=8, max_steps=1, logging_steps=1, report_to=[], use_cpu=True,
-                      save_strategy="no", learning_rate=1e-3, bf16=False, seed=0, **config_kw)
+    config = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+                  num_generations=GENERATIONS, max_completion_length=8, max_steps=1, logging_steps=1, report_to=[],
+                  use_cpu=True, save_strategy="no", learning_rate=1e-3, bf16=False, seed=0)
+    config.update({k: kwargs.pop(k) for k in list(kwargs) if k in GRPOConfig.__dataclass_fields__})
+    args = GRPOConfig(**config)
     peft = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False) if lora else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -118,7 +118,7 @@ def brute_force_gram(trainer: Recording) -> tuple[np.ndarray, float]:
             trainer._get_per_token_logps_and_entropies = only_mine
             trainer.current_gradient_accumulation_steps = accumulation
             try:
-                loss = type(trainer).__mro__[2]._compute_loss(trainer, model, inputs)  # GRPOTrainer's own
+                loss = GRPOTrainer._compute_loss(trainer, model, inputs)  # TRL's own loss
             finally:
                 del trainer._get_per_token_logps_and_entropies
             for t, g in zip(total, torch.autograd.grad(loss, list(params.values()), allow_unused=True)):
