@@ -93,7 +93,8 @@ class GradscopeGRPOTrainer(GRPOTrainer):
             field a ``rollout_func`` returns — or a function of the example (a dict of its columns
             and extra fields). The value is an agent name, or for multi-agent completions a list of
             one agent name (None: no agent) per completion token.
-        run_file: write every record (and TRL's logged metrics) to this run file (main process).
+        run_file: write every record (and TRL's logged metrics) to this run file (main process); it
+            must not exist yet (a ``RunFileError`` when ``train`` starts, never an overwrite).
         probe_options: more :class:`~gradscope.probe.Probe` arguments (``groups``, ``method``,
             ``sketch``, ``params``).
 
@@ -135,7 +136,7 @@ class GradscopeGRPOTrainer(GRPOTrainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         if self._run_file is None or not self.accelerator.is_main_process:
             return super().train(*args, **kwargs)
-        with RunWriter(self._run_file, self.run_meta(), overwrite=True) as self._writer:
+        with RunWriter(self._run_file, self.run_meta()) as self._writer:
             try:
                 return super().train(*args, **kwargs)
             finally:
