@@ -2,10 +2,12 @@
 and the paper's Table 1 over seeds: one row per cell, mean ± sd of each and the cliff rate.
 
 :func:`summary_table` returns a DataFrame of raw values (NaN / None where a run has no
-evaluations); :func:`format_table` renders it as Markdown, CSV (raw numbers, for analysis) or
-LaTeX (a ``booktabs`` tabular to ``\\input`` into a paper). :func:`cell_table` groups the runs into
-cells — the same workflow, task, model, policy and every other setting that varies between the
-runs, except the one averaged over (``seed``) — and :func:`format_cell_table` renders it.
+evaluations; ``unknown`` for what the run's config does not say); :func:`format_table` renders it
+as Markdown, CSV (raw numbers, for analysis; a missing value is an empty cell) or LaTeX (a
+``booktabs`` tabular to ``\\input`` into a paper). Missing values read ``—`` (gradscope.labels).
+:func:`cell_table` groups the runs into cells — the same workflow, task, model, policy and every
+other setting that varies between the runs, except the one averaged over (``seed``) — and
+:func:`format_cell_table` renders it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from gradscope.figures import data
+from gradscope.labels import MISSING, is_missing, number, policy_label
 from gradscope.figures.data import RunLike
 from gradscope.errors import ConfigError
 
@@ -60,19 +63,11 @@ def _scalar(v):
     return json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v
 
 
-def _missing(v) -> bool:
-    return v is None or v is pd.NA or (isinstance(v, float) and not np.isfinite(v))
-
-
-def _num(v, fmt: str = "{:.3f}") -> str:
-    return "–" if _missing(v) else fmt.format(v)
-
-
 def _cells(r) -> list[str]:
-    cliff = "–" if _missing(r["cliff"]) else (f"yes (step {int(r['cliff_onset'])})" if r["cliff"] else "no")
-    peak = _num(r["peak"]) + ("" if _missing(r["peak_step"]) else f" @{int(r['peak_step'])}")
-    return [str(r["run"]), str(r["workflow"]), str(r["task"]), str(r["model"]), str(r["policy"]).upper(),
-            _num(r["base"]), peak, _num(r["final"]), _num(r["delta"], "{:+.3f}"), cliff]
+    cliff = MISSING if is_missing(r["cliff"]) else (f"yes (step {int(r['cliff_onset'])})" if r["cliff"] else "no")
+    peak = number(r["peak"]) + ("" if is_missing(r["peak_step"]) else f" @{int(r['peak_step'])}")
+    return [str(r["run"]), str(r["workflow"]), str(r["task"]), str(r["model"]), policy_label(str(r["policy"])),
+            number(r["base"]), peak, number(r["final"]), number(r["delta"], "+.3f"), cliff]
 
 
 HEAD = ["run", "workflow", "task", "model", "policy", "base", "peak @step", "final", "Δ", "cliff (onset)"]
@@ -88,7 +83,7 @@ def _csv(df: pd.DataFrame) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(df.columns)
     for _, r in df.iterrows():
-        w.writerow(["" if _missing(v) else f"{v:.6g}" if isinstance(v, float) else v for v in r])
+        w.writerow(["" if is_missing(v) else f"{v:.6g}" if isinstance(v, float) else v for v in r])
     return buf.getvalue()
 
 
@@ -111,7 +106,8 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "–": "--", "@": "@"}
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "–": "--", MISSING: "---",
+        "@": "@"}
 
 
 def _tex(text: str) -> str:
@@ -145,9 +141,9 @@ def cell_table(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
 def _pm(r, m: str, tex: bool = False) -> str:
     mean, sd = r[f"{m}_mean"], r[f"{m}_sd"]
     fmt = "{:+.3f}" if m == "delta" else "{:.3f}"
-    if _missing(mean):
-        return "–"
-    if _missing(sd):
+    if is_missing(mean):
+        return MISSING
+    if is_missing(sd):
         return fmt.format(mean)
     return fmt.format(mean) + (r" $\pm$ " if tex else " ± ") + f"{sd:.3f}"
 
@@ -160,9 +156,9 @@ def format_cell_table(df: pd.DataFrame, keys: Sequence[str], fmt: str = "md") ->
         return _csv(df)
     head = [*keys, "n", "base", "peak", "final", "Δ", "cliffs"]
     tex = fmt == "latex"
-    rows = [[str(r[k]).upper() if k == "policy" else str(r[k]) for k in keys] + [str(int(r["n"]))]
+    rows = [[policy_label(str(r[k])) if k == "policy" else str(r[k]) for k in keys] + [str(int(r["n"]))]
             + [_pm(r, m, tex) for m in MEASURES]
-            + ["–" if not r["judged"] else f"{int(r['cliffs'])}/{int(r['judged'])}"] for _, r in df.iterrows()]
+            + [MISSING if not r["judged"] else f"{int(r['cliffs'])}/{int(r['judged'])}"] for _, r in df.iterrows()]
     if fmt == "md":
         lines = ["| " + " | ".join(head) + " |",
                  "|" + "|".join("---:" if i >= len(keys) else "---" for i in range(len(head))) + "|"]

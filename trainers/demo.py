@@ -17,7 +17,7 @@ import numpy as np
 from gradscope.runfile import open_run
 from gradscope.trainers.cli import run_with_progress
 from gradscope.trainers.config import TrainConfig
-from gradscope.trainers.grpo import GRPOConfig
+from gradscope.trainers.grpo_config import GRPOConfig
 from gradscope.trainers.testbed import cache
 from gradscope.trainers.train import Trainer
 

@@ -39,41 +39,14 @@ import torch
 from gradscope.peft_support import use_adapter
 from gradscope.probe import Probe, StepResult
 from gradscope.trainers.distributed import Dist
-from gradscope.trainers.flags import flag
-from gradscope.trainers.per_role import role_spec, role_values
+from gradscope.trainers.grpo_config import ROLE_BALANCE, GRPOConfig
+from gradscope.trainers.per_role import role_values
 from gradscope.trainers.policy import PolicyMap
 from gradscope.trainers.rollout import pack, token_logprobs
 from gradscope.trainers.workflows.base import Episode, Turn
 
 #: Scalars logged with every optimizer step (the run file's per-record scalars).
 STEP_SCALARS = ["loss", "clip_frac", "grad_norm", "lr", "samples", "tokens", "kl"]
-ROLE_BALANCE = ("none", "steps", "update")
-
-
-@dataclass
-class GRPOConfig:
-    """Optimisation settings (defaults: the paper's, DESIGN.md). Every field is a ``train`` flag."""
-
-    group_size: int = flag(8, "rollouts per task (the GRPO group)")
-    clip_low: float = flag(0.2, "ratio clipped below at 1 - clip_low")
-    clip_high: float = flag(0.28, "ratio clipped above at 1 + clip_high")
-    kl_coef: float | str = flag(0.0, "k3 KL penalty to the base model per token: a number for every role, or "
-                                     "role=number,... (e.g. voter=0.05,aggregator=0); the paper's anchor when > 0",
-                                type=role_spec)
-    coherence_reg: float | str = flag(0.0, "coherence regulariser lambda per role (number or role=number,...): "
-                                           "scale a role's gradient by 1 - lambda*max(0, cos(g, EMA of its past "
-                                           "gradients))", type=role_spec)
-    coherence_beta: float = flag(0.9, "EMA decay of the coherence regulariser's average gradient")
-    role_balance: str = flag("none", "none | steps (every policy takes one agent slot's number of optimizer "
-                                     "steps) | update (lr scaled so that lr x steps per training step is one slot's)")
-    lr: float = flag(0.0, "AdamW learning rate (0: 2e-5 as in the paper; 1e-3 for the testbed)")
-    warmup_steps: int = flag(15, "linear LR warm-up, in training steps")
-    weight_decay: float = flag(0.01, "AdamW weight decay")
-    grad_clip: float = flag(1.0, "max grad norm per optimizer step (0: off)")
-    mini_batch_size: int = flag(0, "at most this many samples per optimizer step, split evenly "
-                                   "(0: tasks_per_step x group_size)")
-    temperature: float = flag(0.7, "sampling temperature (log-probs use the same)")
-    shuffle: bool = flag(True, "shuffle a policy's samples before splitting them into mini-batches")
 
 
 @dataclass

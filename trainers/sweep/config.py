@@ -70,7 +70,7 @@ class SweepSpec:
 def train_fields() -> dict[str, type | None]:
     """Every ``gradscope train`` flag (field name) → the type of its default (None for str/None)."""
     from gradscope.trainers.config import TrainConfig
-    from gradscope.trainers.grpo import GRPOConfig
+    from gradscope.trainers.grpo_config import GRPOConfig
 
     out = {}
     for cls in (TrainConfig, GRPOConfig):
