@@ -9,6 +9,7 @@ _WHERE = {
     "AmplificationConfig": "thresholds", "AnalysisConfig": "thresholds", "CaptureConfig": "thresholds",
     "CliffConfig": "thresholds", "Finding": "findings", "Report": "findings", "RunSeries": "series",
     "analyze_series": "report", "detect_amplification": "amplification", "detect_capture": "capture",
+    "detect_update_amplification": "amplification",
     "detect_cliff": "cliff", "find_cliffs": "cliff",
 }
 

@@ -5,7 +5,7 @@ import io
 import json
 import numpy as np
 
-from gradscope.analyses.amplification import detect_amplification
+from gradscope.analyses.amplification import detect_amplification, detect_update_amplification
 from gradscope.analyses.capture import detect_capture
 from gradscope.analyses.cliff import detect_cliff
 from gradscope.analyses.findings import Finding, Report
@@ -33,6 +33,7 @@ def analyze_series(series: RunSeries, cfg: AnalysisConfig = AnalysisConfig(), *,
                      f"at least {max(cfg.amplification.window, cfg.capture.window)}")
     else:
         findings += detect_amplification(series, cfg.amplification)
+        findings += detect_update_amplification(series, cfg.amplification)
         findings += detect_capture(series, cfg.capture)
         if not series.finite.any():
             notes.append("every gradient record is non-finite: no gradient statistic could be computed")

@@ -17,6 +17,7 @@ class AmplificationConfig:
     norm_ratio: float = 2.0   # "dominant": the role's norm ≥ this × the other roles' median (on `fraction`)
     rise_z: float = 2.0       # "rising": the window's log-norm slope ≥ this many standard errors above 0
     gap: int = 20             # episodes of one role fewer than this many steps apart are one finding
+    update_ratio: float = 2.0  # update channel: the role's policy moves ≥ this × the other policies per step
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rise-z", type=float, default=a.rise_z,
                    help="amplification: 'rising' when the log-norm's slope over the window is this many standard "
                         "errors above 0")
+    p.add_argument("--update-ratio", type=float, default=a.update_ratio,
+                   help="amplification, update channel: a multi-agent role's policy moves this many times as far "
+                        "(relative update per training step) as the other policies' median")
     p.add_argument("--share", type=float, default=c.share, help="capture: contribution-share threshold")
     p.add_argument("--window", type=int, default=a.window, help="steps per detection window")
     p.add_argument("--fraction", type=float, default=a.fraction, help="share of a window above threshold")
@@ -66,6 +70,7 @@ def config_from(args: argparse.Namespace) -> AnalysisConfig:
     """The AnalysisConfig of parsed threshold flags."""
     return AnalysisConfig(
         amplification=AmplificationConfig(coherence=args.coherence, window=args.window, fraction=args.fraction,
-                                          norm_ratio=args.norm_ratio, rise_z=args.rise_z, gap=args.gap),
+                                          norm_ratio=args.norm_ratio, rise_z=args.rise_z, gap=args.gap,
+                                          update_ratio=args.update_ratio),
         capture=CaptureConfig(share=args.share, window=args.window, fraction=args.fraction, gap=args.gap),
         cliff=CliffConfig(min_drop=args.min_drop, min_rel_drop=args.min_rel_drop, within=args.within))
