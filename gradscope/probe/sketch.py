@@ -2,13 +2,16 @@
 
 Each parameter group is sketched separately, and within a group each LoRA adapter (and the non-LoRA
 rest) separately: a "cell". Coordinate j of parameter ``name`` goes to bucket ``h(j)`` of k with
-sign ``s(j)``; the sketch of a cell's part of a vector x is ``(Sx)_b = Σ_{j: h(j)=b} s(j) x_j`` and
+sign ``s(j)`` (for large matrices h and s are tensor-structured, see :class:`SketchStore`); the sketch of a cell's part of a vector x is ``(Sx)_b = Σ_{j: h(j)=b} s(j) x_j`` and
 the sketched Gram of a group is ``M̂_kl = Σ_cells <S g_k, S g_l>``. Cells keep agents of different
 adapters (Isolated-Policy) exactly orthogonal, as they are, instead of adding sketch noise there. Properties (h, s from a random degree-3 polynomial over GF(2^31 - 1), so
 the pair (h(j), s(j)) is 4-wise independent across coordinates, up to a relative bias ~2k/2^31):
 
 * unbiased: ``E M̂_kl = M_kl``;
-* ``Var M̂_kl = (M_kk M_ll + M_kl² - 2 Σ_j g_kj² g_lj²) / k  ≤  (M_kk M_ll + M_kl²) / k``;
+* ``Var M̂_kl = (M_kk M_ll + M_kl² - 2 Σ_j g_kj² g_lj²) / k  ≤  (M_kk M_ll + M_kl²) / k`` (CountSketch);
+  tensor-hashed matrices X = g_k, Y = g_l: ``Var ≈ (‖X‖²‖Y‖² + ⟨X,Y⟩² + ‖XYᵀ‖² + ‖XᵀY‖² +
+  tr((XYᵀ)²) + tr((XᵀY)²)) / k ≤ 3 (M_kk M_ll + M_kl²) / k`` to first order in 1/k (3× for rank-one
+  X = Y; about 1× for matrices summed from many tokens);
 * linear: the sketch of a sum is the sum of sketches, so gradient accumulation and ranks add up
   (every rank hashes alike: the hash depends only on the seed, the parameter's name and j);
 * O(P) time per sketched vector, k values per agent and group in memory; nothing O(P) is kept
@@ -85,6 +88,17 @@ def signed_buckets(coeffs: tuple[int, int, int, int], coords: torch.Tensor, k: i
 class SketchStore(Store):
     """A (C, K, k) float64 sketch of every agent's gradient, per cell (parameter group × LoRA adapter).
 
+    Each parameter is hashed one of two ways, fixed by its shape (so alike on every rank):
+
+    * a parameter small enough to hand over whole per agent (:meth:`Store.small`, LoRA factors,
+      biases): CountSketch of its flattened coordinates, ``(h, s)`` 4-wise independent;
+    * a larger matrix (d_out, d_in) (full-width weights; >2-D ones as (shape[0], rest)): the
+      tensor-structured hash ``h(i, j) = (h_r(i) + h_c(j)) mod k``, ``s(i, j) = s_r(i) s_c(j)`` with
+      independent row and column hashes. The sketch of an outer product ``g aᵀ`` is then the circular
+      convolution of the CountSketches of ``g`` and ``a`` (TensorSketch), so per-token products are
+      sketched by FFT without ever forming them (:meth:`add_outer`). Only the row and column hashes
+      (d_out + d_in values) are kept.
+
     Args:
         names: the probed parameters' names (they key the hash, so they must match across ranks).
         sketch: bucket count and seed.
@@ -94,11 +108,13 @@ class SketchStore(Store):
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], group_index: Sequence[int],
                  n_groups: int, n_agents: int, sketch: Sketch, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, group_index, n_groups, n_agents, group)
-        too_big = [n for n, p in zip(names, self.params) if p.numel() >= PRIME]
+        too_big = [n for n, p in zip(names, self.params) if max(_matrix_shape(p)) >= PRIME or p.numel() >= PRIME]
         if too_big:
             raise ProbeError(f"sketch mode hashes at most 2^31 - 2 values per parameter; {too_big[0]} has more")
-        self.k = sketch.k
+        self.names, self.sketch, self.k = list(names), sketch, sketch.k
         self.coeffs = [hash_coefficients(sketch.seed, n) for n in names]
+        self.tensor = [p.dim() >= 2 and not self.small(i) for i, p in enumerate(self.params)]
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         cells = [(g, adapter_of(n) or "") for g, n in zip(self.group_index, names)]
         self.cells = list(dict.fromkeys(cells))          # (group, adapter) per cell
         self.cell_index = [self.cells.index(c) for c in cells]
@@ -107,9 +123,32 @@ class SketchStore(Store):
     def zero(self) -> None:
         self.state.zero_()
 
+    def local_copy(self) -> "SketchStore":
+        return SketchStore(self.params, self.names, self.group_index, self.n_groups, self.n_agents, self.sketch)
+
     def _fold(self, signed: torch.Tensor) -> torch.Tensor:
         """(..., 2k) signed-bucket sums → (..., k) sketch in float64."""
         return (signed[..., :self.k] - signed[..., self.k:]).double()
+
+    def _axis_hashes(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor-hashed ``params[i]``: signed buckets (in ``[0, 2k)``) of its rows and of its columns."""
+        if i not in self._tables:
+            rows, cols = _matrix_shape(self.params[i])
+            self._tables[i] = tuple(  # type: ignore[assignment]
+                signed_buckets(hash_coefficients(self.sketch.seed, f"{self.names[i]}\0{axis}"),
+                               torch.arange(n, device=self.device), self.k)
+                for axis, n in (("rows", rows), ("cols", cols)))
+        return self._tables[i]
+
+    def _signed_index(self, i: int, coords: torch.Tensor) -> torch.Tensor:
+        """Signed bucket in ``[0, 2k)`` of flattened coordinates ``coords`` (int64) of ``params[i]``."""
+        if not self.tensor[i]:
+            return signed_buckets(self.coeffs[i], coords, self.k)
+        h_rows, h_cols = self._axis_hashes(i)
+        k = self.k
+        r, c = h_rows[coords // _matrix_shape(self.params[i])[1]], h_cols[coords % _matrix_shape(self.params[i])[1]]
+        negative = (r >= k) ^ (c >= k)
+        return (r % k + c % k) % k + k * negative
 
     def _project(self, i: int, values: torch.Tensor, start: int) -> torch.Tensor:
         """(a, k) float64 sketches of rows ``values`` (a, m), coordinates ``[start, start + m)`` of ``params[i]``."""
@@ -117,7 +156,7 @@ class SketchStore(Store):
         for lo in range(0, values.shape[1], CHUNK):
             chunk = values[:, lo:lo + CHUNK].to(self.device, self.dtype)
             coords = torch.arange(start + lo, start + lo + chunk.shape[1], device=self.device)
-            index = signed_buckets(self.coeffs[i], coords, self.k)
+            index = self._signed_index(i, coords)
             out += self._fold(chunk.new_zeros(chunk.shape[0], 2 * self.k).index_add_(1, index, chunk))
         return out
 
@@ -125,10 +164,37 @@ class SketchStore(Store):
         self.state[self.cell_index[i], list(agents)] += self._project(i, values, start)
 
     def scatter(self, i: int, agents: torch.Tensor, coords: torch.Tensor, values: torch.Tensor) -> None:
-        index = agents.to(self.device) * (2 * self.k) + signed_buckets(self.coeffs[i], coords.to(self.device), self.k)
+        index = agents.to(self.device) * (2 * self.k) + self._signed_index(i, coords.to(self.device))
         signed = torch.zeros(self.n_agents * 2 * self.k, dtype=self.dtype, device=self.device)
         signed.index_add_(0, index, values.to(self.device, self.dtype))
         self.state[self.cell_index[i]] += self._fold(signed.view(self.n_agents, 2 * self.k))
+
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+        """TensorSketch: agent k's sketch of ``Σ_{t of k} G_t A_tᵀ`` is ``IFFT(Σ_t FFT(C_r G_t) · FFT(C_c A_t))``,
+        O(N (d_out + d_in + k log k)); no outer product is formed. Tokens go a chunk at a time."""
+        if not self.tensor[i]:  # a small matrix: its per-agent products, hashed coordinate by coordinate
+            present = agents.unique().tolist()
+            self.add(i, present, torch.stack([G[agents == k].T.to(self.dtype) @ A[agents == k].to(self.dtype)
+                                              for k in present]).flatten(1))
+            return
+        h_rows, h_cols = self._axis_hashes(i)
+        present = agents.unique()
+        spectrum = torch.zeros(len(present), self.k // 2 + 1, dtype=torch.complex128, device=self.device)
+        step = max(1, CHUNK // (2 * self.k))
+        for lo in range(0, len(agents), step):
+            u = self._count_sketch(G[lo:lo + step], h_rows)       # (k, n)
+            v = self._count_sketch(A[lo:lo + step], h_cols)
+            product = torch.fft.rfft(u, dim=0) * torch.fft.rfft(v, dim=0)   # (k/2+1, n)
+            owner = (agents[lo:lo + step, None] == present[None, :]).to(product.dtype)
+            spectrum += (product @ owner).T
+        self.state[self.cell_index[i], present] += torch.fft.irfft(spectrum, n=self.k, dim=1)
+
+    def _count_sketch(self, X: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+        """(k, n): the CountSketch of each row of X (n, d) under signed buckets (d,), as columns."""
+        k = self.k
+        sign = 1 - 2 * (signed >= k).to(self.dtype)
+        return X.new_zeros(k, X.shape[0], dtype=self.dtype).index_add_(
+            0, signed % k, (X.to(self.device, self.dtype) * sign).T.contiguous())
 
     def blocks(self, g: int) -> Iterator[torch.Tensor]:
         for c, (group, _) in enumerate(self.cells):
@@ -145,3 +211,9 @@ class SketchStore(Store):
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.state]
+
+
+def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
+    """The (rows, columns) a parameter is hashed as: (shape[0], rest) for ≥ 2-D, (1, numel) otherwise."""
+    rows = p.shape[0] if p.dim() >= 2 else 1
+    return rows, p.numel() // max(rows, 1)

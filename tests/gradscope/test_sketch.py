@@ -20,6 +20,8 @@ from torch.utils._pytree import tree_flatten
 from gradscope.errors import ProbeError
 from gradscope.probe import Probe
 from gradscope.probe.hooks import HooksMethod
+from gradscope.probe.method import token_terms
+from gradscope.probe.probe import _row_agents
 from gradscope.probe.sketch import PRIME, Sketch, SketchStore, hash_coefficients, signed_buckets
 from gradscope.probe.store import FlatStore
 from tests.gradscope.test_hooks import Leaky, LMCase, grads, lora_model, run
@@ -113,7 +115,7 @@ def test_a_probe_on_a_lora_model_is_within_the_bound_too():
         model.zero_grad(set_to_none=True)
         probe = Probe(model, AGENTS, ROLES, method="hooks", sketch=Sketch(K_SKETCH, seed))
         with probe.step(0) as s:
-            s.backward_tokens(*call())
+            s.backward_tokens(*call(s))
         probe.close()
         d = np.diag(s.result.gram)
         z.append((s.result.gram / np.sqrt(np.outer(d, d)) - cos) / bound)
@@ -180,7 +182,7 @@ def test_split_and_hooks_sketch_alike_and_grad_is_unchanged():
         probe = Probe(model, AGENTS, ROLES, method=method, sketch=Sketch(32, seed=5), groups="layer")
         with probe.step(0) as s:
             for call in calls:
-                s.backward_tokens(*call())
+                s.backward_tokens(*call(s))
         probe.close()
         results[method] = s.result
         assert probe.measurement == f"{method}+sketch(k=32,seed=5)"
@@ -197,6 +199,12 @@ def test_split_and_hooks_sketch_alike_and_grad_is_unchanged():
     assert abs(results["hooks"].gram[0, 1]) > 0
 
 
+def backward_tokens(method, token_loss, agent_ids):
+    """What ``ProbeStep.backward_tokens`` hands a method, without a Probe around it."""
+    present = sorted(set(agent_ids[agent_ids >= 0].tolist()))
+    method.backward_rows(token_loss, _row_agents(agent_ids), lambda: token_terms(token_loss, agent_ids, present), False)
+
+
 def _leaky():
     torch.manual_seed(0)
     return Leaky()
@@ -209,16 +217,16 @@ def test_add_up_check_with_a_store(store):
     params = list(model.parameters())
     made = (SketchStore(params, ["w", "b"], [0, 0], 1, 4, Sketch(16)) if store == "sketch"
             else FlatStore(params, [0, 0], 1, 4))
-    method = HooksMethod(params, [0, 0], 1, 4, model=model, store=made)
+    method = HooksMethod(params, [0, 0], 1, 4, model=model, store=made, check_every=None)  # the add-up check alone
     x = torch.randn(4, 3, 4)
     ids = torch.arange(4)[:, None].expand(4, 3)
     method.begin()
-    method.backward_tokens(model(x).sum(-1), ids, [0, 1, 2, 3], False)
+    backward_tokens(method, model(x).sum(-1), ids)
     with pytest.raises(ProbeError, match="do not add up"):
         method.end()
     model.forward = lambda x: model.lin(x)  # the honest model passes
     method.begin()
-    method.backward_tokens(model(x).sum(-1), ids, [0, 1, 2, 3], False)
+    backward_tokens(method, model(x).sum(-1), ids)
     assert method.end()[0, 0, 0] > 0
     method.close()
 
@@ -242,6 +250,7 @@ def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, mo
     coordinates at a time; forcing tiny blocks and chunks must give the same Gram."""
     from gradscope.probe import hooks as hooks_module
     from gradscope.probe import sketch as sketch_module
+    from gradscope.probe import store as store_module
 
     model = _deep_mlp(32)
     params = list(model.parameters())
@@ -251,15 +260,16 @@ def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, mo
 
     def gram(blocked: bool) -> np.ndarray:
         if blocked:
-            monkeypatch.setattr(hooks_module, "PER_ROW_LIMIT", 0)
-            monkeypatch.setattr(hooks_module, "CHUNK", 100)   # one output row per block
-            monkeypatch.setattr(sketch_module, "CHUNK", 100)  # hashed 100 coordinates at a time
+            monkeypatch.setattr(hooks_module, "PER_ROW_LIMIT", 0)  # products by Store.add_outer
+            monkeypatch.setattr(sketch_module, "CHUNK", 100)       # hashed 100 coordinates at a time
+            if store == "flat":
+                monkeypatch.setattr(store_module, "CHUNK", 100)    # one output row per block
         made = (SketchStore(params, names, [0] * len(params), 1, 4, Sketch(16, seed=2)) if store == "sketch"
                 else FlatStore(params, [0] * len(params), 1, 4))
         method = HooksMethod(params, [0] * len(params), 1, 4, model=model, store=made)
         model.zero_grad(set_to_none=True)
         method.begin()
-        method.backward_tokens(model(x).square().mean(1, keepdim=True) * (agent_ids >= 0), agent_ids, [0, 1, 2, 3], False)
+        backward_tokens(method, model(x).square().mean(1, keepdim=True) * (agent_ids >= 0), agent_ids)
         out = method.end()
         method.close()
         monkeypatch.undo()
