@@ -272,7 +272,10 @@ class RunMeta:
 def methods_that_ran(configured: str, codes: np.ndarray) -> str:
     """``probe_method`` naming only what ran: the base methods (``hooks`` / ``split``) of the records'
     ``/steps/method`` codes, in order of first use, joined by ``,``, then the configured suffixes
-    (``+sketch(..)``, ``+ranks(N)``). Records without a code (-1) name nothing."""
+    (``+sketch(..)``, ``+ranks(N)``). Records without a code (-1) name nothing; when no record has
+    one (a writer that does not record methods), ``configured`` is returned as it is."""
+    if not (np.asarray(codes) >= 0).any():
+        return configured
     suffix = configured[len(configured.split("+", 1)[0]):] if configured else ""
     ran = [PROBE_METHODS[c].split(":")[0].split("+")[0].replace("split-fallback", "split")
            for c in dict.fromkeys(int(c) for c in codes) if 0 <= c < len(PROBE_METHODS)]
