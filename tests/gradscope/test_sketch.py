@@ -29,6 +29,7 @@ from tests.gradscope.test_probe import AGENTS, ROLES, rel_err
 
 K_SKETCH = 64
 SEEDS = 1000
+TS_SEEDS = 500  # tensor-hashed cases build a store per seed
 
 
 def test_hash_matches_exact_integer_arithmetic():
@@ -276,3 +277,75 @@ def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, mo
         return out
 
     assert rel_err(gram(True), gram(False)) < 1e-6
+
+
+# ---------------------------------------------------------------- TensorSketch (large matrices)
+def _tensor_store(monkeypatch, shapes, k, seed, n_agents=4):
+    """A SketchStore whose matrices are tensor-hashed (as weights too large to hand over whole are)."""
+    from gradscope.probe import store as store_module
+
+    params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    with monkeypatch.context() as m:
+        m.setattr(store_module, "CHUNK", 1)  # every matrix counts as large
+        store = SketchStore(params, [f"p{i}.weight" for i in range(len(params))], [0] * len(params), 1,
+                            n_agents, Sketch(k, seed))
+    assert all(store.tensor[i] == (len(s) == 2) for i, s in enumerate(shapes))
+    store.zero()
+    return store
+
+
+def test_tensor_sketch_of_token_products_equals_the_sketch_of_their_sum(monkeypatch):
+    """add_outer (FFT convolution of two CountSketches, per token) is the same linear map as hashing the
+    materialised per-agent products coordinate by coordinate (add), and as scatter."""
+    from gradscope.probe import sketch as sketch_module
+
+    g = torch.Generator().manual_seed(0)
+    N, d_out, d_in = 50, 7, 11
+    G, A = torch.randn(N, d_out, generator=g, dtype=torch.float64), torch.randn(N, d_in, generator=g, dtype=torch.float64)
+    agents = torch.randint(0, 4, (N,), generator=g)
+    fft = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
+    monkeypatch.setattr(sketch_module, "CHUNK", 64 * 3)  # three tokens per FFT chunk
+    fft.add_outer(0, agents, G, A)
+    dense = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
+    present = agents.unique().tolist()
+    dense.add(0, present, torch.stack([G[agents == k].T @ A[agents == k] for k in present]).flatten(1))
+    scattered = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
+    products = G[:, :, None] * A[:, None, :]  # (N, d_out, d_in)
+    coords = torch.arange(d_out * d_in).repeat(N)
+    scattered.scatter(0, agents.repeat_interleave(d_out * d_in), coords, products.reshape(-1))
+    torch.testing.assert_close(fft.state, dense.state, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(scattered.state, dense.state, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("structure", ["rank-one", "many tokens"])
+def test_tensor_hashed_errors_within_their_bound_across_seeds(monkeypatch, structure):
+    """Tensor-structured hashing is unbiased with Var M̂_kl ≤ 3 (M_kk M_ll + M_kl²) / k (docs/probe.md).
+    Rank-one per-agent matrices need the factor 3 (their variance exceeds the CountSketch bound);
+    a matrix summed from many unrelated tokens stays near the CountSketch bound."""
+    g = torch.Generator().manual_seed(1)
+    d_out, d_in, n_tokens = 24, 40, (1 if structure == "rank-one" else 60)
+    shared_g, shared_a = torch.randn(d_out, generator=g, dtype=torch.float64), torch.randn(d_in, generator=g, dtype=torch.float64)
+    mats = []
+    for k, (wg, wa) in enumerate([(1.0, 1.0), (0.8, 0.3), (-0.4, 1.0), (0.0, 0.0)]):
+        toks_g = wg * shared_g + torch.randn(n_tokens, d_out, generator=g, dtype=torch.float64) * (0.5 + k / 4)
+        toks_a = wa * shared_a + torch.randn(n_tokens, d_in, generator=g, dtype=torch.float64)
+        mats.append((toks_g, toks_a))
+    V = torch.stack([(G.T @ A).reshape(-1) for G, A in mats])
+    M = (V @ V.T).numpy()
+    est = []
+    for seed in range(TS_SEEDS):
+        store = _tensor_store(monkeypatch, [(d_out, d_in)], K_SKETCH, seed)
+        for k, (G, A) in enumerate(mats):
+            store.add_outer(0, torch.full((len(G),), k), G, A)
+        est.append(store.grams()[0])
+    err = np.stack(est) - M
+    d = np.diag(M)
+    cs_bound = (np.outer(d, d) + M ** 2) / K_SKETCH
+    iu = np.triu_indices(len(M))
+    z = err[:, iu[0], iu[1]] / np.sqrt(3 * cs_bound[iu])
+    assert np.all(np.mean(z ** 2, axis=0) <= 1.3)            # within the documented bound
+    assert np.all(np.abs(z.mean(0)) <= 4 / np.sqrt(TS_SEEDS))   # unbiased
+    assert np.mean(np.abs(z) > 3) <= 1 / 9                   # Chebyshev at 3 sd
+    # agent 3's norm against the CountSketch bound: its 60 tokens are independent noise
+    cs_ratio = np.mean(err[:, 3, 3] ** 2) / cs_bound[3, 3]
+    assert cs_ratio > 1.8 if structure == "rank-one" else cs_ratio < 1.3
