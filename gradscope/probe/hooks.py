@@ -297,7 +297,7 @@ class HooksMethod(GramMethod):
         self._materialise(layer)
         if fwd.single is not None:
             self._dense_of(layer.weight)[fwd.single].addmm_(G.flatten(0, 1).T, A.flatten(0, 1))
-        elif fwd.rows * d_out * d_in <= PER_ROW_LIMIT:
+        elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
             self._add_by_row(layer.weight, torch.bmm(G.transpose(1, 2), A), fwd)
         else:
             D = self._dense_of(layer.weight)
@@ -314,7 +314,7 @@ class HooksMethod(GramMethod):
         if layer.weight is None:
             return
         d_out, d_in = self.params[layer.weight].shape
-        if fwd.rows * d_out * d_in <= PER_ROW_LIMIT and self.store.small(layer.weight):
+        if _per_row(fwd.rows, A.shape[1], d_out, d_in) and self.store.small(layer.weight):
             self.store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
             return
         token_agents = fwd.kept.repeat_interleave(A.shape[1])
@@ -672,6 +672,14 @@ class HooksMethod(GramMethod):
         allowed = (tol * scale + eps * (summands * (np.sqrt(delta_sq) + np.sqrt(np.clip(total, 0, None))) + ghost_sq)
                    + np.finfo(np.float64).tiny)
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
+
+
+def _per_row(rows: int, T: int, d_out: int, d_in: int) -> bool:
+    """Per-row products ``G_bᵀ A_b`` (one bmm, then summed by agent) rather than one matmul per agent over
+    gathered rows: when the rows × d_out × d_in products are no bigger than a few copies of the rows
+    themselves (LoRA factors), and at most :data:`PER_ROW_LIMIT` values."""
+    size = rows * d_out * d_in
+    return size <= PER_ROW_LIMIT and size <= 4 * rows * T * (d_out + d_in)
 
 
 def add_up_tolerance(dtype: torch.dtype) -> tuple[float, float]:

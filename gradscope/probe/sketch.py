@@ -37,6 +37,8 @@ from gradscope.probe.store import CHUNK, Store
 
 #: The Mersenne prime 2^31 - 1: hashed coordinates must be below it, products of two residues fit int64.
 PRIME = (1 << 31) - 1
+#: TensorSketch transforms this many values (tokens × k) at a time: small enough to stay in cache.
+FFT_VALUES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,9 @@ class SketchStore(Store):
 
     Each parameter is hashed one of two ways, fixed by its shape (so alike on every rank):
 
-    * a parameter small enough to hand over whole per agent (:meth:`Store.small`, LoRA factors,
-      biases): CountSketch of its flattened coordinates, ``(h, s)`` 4-wise independent;
-    * a larger matrix (d_out, d_in) (full-width weights; >2-D ones as (shape[0], rest)): the
+    * vectors and matrices whose per-token products are cheap (LoRA factors, biases; see
+      :func:`_tensor_hashed`): CountSketch of the flattened coordinates, ``(h, s)`` 4-wise independent;
+    * larger matrices (d_out, d_in) (full-width weights; >2-D ones as (shape[0], rest)): the
       tensor-structured hash ``h(i, j) = (h_r(i) + h_c(j)) mod k``, ``s(i, j) = s_r(i) s_c(j)`` with
       independent row and column hashes. The sketch of an outer product ``g aᵀ`` is then the circular
       convolution of the CountSketches of ``g`` and ``a`` (TensorSketch), so per-token products are
@@ -113,7 +115,7 @@ class SketchStore(Store):
             raise ProbeError(f"sketch mode hashes at most 2^31 - 2 values per parameter; {too_big[0]} has more")
         self.names, self.sketch, self.k = list(names), sketch, sketch.k
         self.coeffs = [hash_coefficients(sketch.seed, n) for n in names]
-        self.tensor = [p.dim() >= 2 and not self.small(i) for i, p in enumerate(self.params)]
+        self.tensor = [_tensor_hashed(p, self.k) for p in self.params]
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         cells = [(g, adapter_of(n) or "") for g, n in zip(self.group_index, names)]
         self.cells = list(dict.fromkeys(cells))          # (group, adapter) per cell
@@ -122,6 +124,10 @@ class SketchStore(Store):
 
     def zero(self) -> None:
         self.state.zero_()
+
+    def small(self, i: int) -> bool:
+        """CountSketched parameters take whole per-agent products; tensor-hashed ones per-token factors."""
+        return not self.tensor[i]
 
     def local_copy(self) -> "SketchStore":
         return SketchStore(self.params, self.names, self.group_index, self.n_groups, self.n_agents, self.sketch)
@@ -144,20 +150,37 @@ class SketchStore(Store):
         """Signed bucket in ``[0, 2k)`` of flattened coordinates ``coords`` (int64) of ``params[i]``."""
         if not self.tensor[i]:
             return signed_buckets(self.coeffs[i], coords, self.k)
+        cols = _matrix_shape(self.params[i])[1]
         h_rows, h_cols = self._axis_hashes(i)
+        return self._combine(h_rows[coords // cols], h_cols[coords % cols])
+
+    def _combine(self, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Signed bucket of (row, column) from their signed buckets (broadcasting): ``(h_r + h_c) mod k``,
+        negative when exactly one of the two signs is."""
         k = self.k
-        r, c = h_rows[coords // _matrix_shape(self.params[i])[1]], h_cols[coords % _matrix_shape(self.params[i])[1]]
-        negative = (r >= k) ^ (c >= k)
-        return (r % k + c % k) % k + k * negative
+        return (r % k + c % k) % k + k * ((r >= k) ^ (c >= k))
+
+    def _range_index(self, i: int, start: int, m: int) -> torch.Tensor:
+        """Signed buckets of the coordinates ``[start, start + m)``: for a tensor-hashed matrix, built from
+        the rows they span (broadcast) instead of per-coordinate division."""
+        if not self.tensor[i]:
+            return signed_buckets(self.coeffs[i], torch.arange(start, start + m, device=self.device), self.k)
+        cols = _matrix_shape(self.params[i])[1]
+        h_rows, h_cols = self._axis_hashes(i)
+        r0, r1 = start // cols, -(-(start + m) // cols)
+        block = self._combine(h_rows[r0:r1, None], h_cols[None, :]).reshape(-1)
+        return block[start - r0 * cols:start - r0 * cols + m]
 
     def _project(self, i: int, values: torch.Tensor, start: int) -> torch.Tensor:
         """(a, k) float64 sketches of rows ``values`` (a, m), coordinates ``[start, start + m)`` of ``params[i]``."""
-        out = torch.zeros(values.shape[0], self.k, dtype=torch.float64, device=self.device)
+        a = values.shape[0]
+        out = torch.zeros(a, self.k, dtype=torch.float64, device=self.device)
+        offsets = torch.arange(a, device=self.device)[:, None] * (2 * self.k)
         for lo in range(0, values.shape[1], CHUNK):
             chunk = values[:, lo:lo + CHUNK].to(self.device, self.dtype)
-            coords = torch.arange(start + lo, start + lo + chunk.shape[1], device=self.device)
-            index = self._signed_index(i, coords)
-            out += self._fold(chunk.new_zeros(chunk.shape[0], 2 * self.k).index_add_(1, index, chunk))
+            index = self._range_index(i, start + lo, chunk.shape[1])
+            signed = torch.bincount((index + offsets).reshape(-1), chunk.reshape(-1), minlength=a * 2 * self.k)
+            out += self._fold(signed.view(a, 2 * self.k))
         return out
 
     def add(self, i: int, agents: Sequence[int], values: torch.Tensor, start: int = 0) -> None:
@@ -180,21 +203,20 @@ class SketchStore(Store):
         h_rows, h_cols = self._axis_hashes(i)
         present = agents.unique()
         spectrum = torch.zeros(len(present), self.k // 2 + 1, dtype=torch.complex128, device=self.device)
-        step = max(1, CHUNK // (2 * self.k))
+        step = max(1, FFT_VALUES // self.k)
         for lo in range(0, len(agents), step):
-            u = self._count_sketch(G[lo:lo + step], h_rows)       # (k, n)
+            u = self._count_sketch(G[lo:lo + step], h_rows)       # (n, k)
             v = self._count_sketch(A[lo:lo + step], h_cols)
-            product = torch.fft.rfft(u, dim=0) * torch.fft.rfft(v, dim=0)   # (k/2+1, n)
+            product = torch.fft.rfft(u, dim=1) * torch.fft.rfft(v, dim=1)   # (n, k/2+1)
             owner = (agents[lo:lo + step, None] == present[None, :]).to(product.dtype)
-            spectrum += (product @ owner).T
+            spectrum += owner.T @ product
         self.state[self.cell_index[i], present] += torch.fft.irfft(spectrum, n=self.k, dim=1)
 
     def _count_sketch(self, X: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
-        """(k, n): the CountSketch of each row of X (n, d) under signed buckets (d,), as columns."""
+        """(n, k): the CountSketch of each row of X (n, d) under signed buckets (d,)."""
         k = self.k
-        sign = 1 - 2 * (signed >= k).to(self.dtype)
-        return X.new_zeros(k, X.shape[0], dtype=self.dtype).index_add_(
-            0, signed % k, (X.to(self.device, self.dtype) * sign).T.contiguous())
+        X = X.to(self.device, self.dtype) * (1 - 2 * (signed >= k).to(self.dtype))
+        return X.new_zeros(X.shape[0], k).scatter_add_(1, (signed % k).expand_as(X), X)
 
     def blocks(self, g: int) -> Iterator[torch.Tensor]:
         for c, (group, _) in enumerate(self.cells):
@@ -211,6 +233,16 @@ class SketchStore(Store):
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.state]
+
+
+def _tensor_hashed(p: torch.Tensor, k: int) -> bool:
+    """Whether ``p`` gets the tensor-structured hash: a matrix whose per-token products cost more than
+    sketching the token's two factors by FFT, ``d_out d_in > 4 (d_out + d_in + 5 k log₂ k)`` (full-width
+    weights; not LoRA factors, whose per-agent products are cheap to form and hash)."""
+    if p.dim() < 2:
+        return False
+    rows, cols = _matrix_shape(p)
+    return rows * cols > 4 * (rows + cols + 5 * k * max(1, k.bit_length() - 1))
 
 
 def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:

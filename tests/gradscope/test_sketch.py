@@ -282,11 +282,11 @@ def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, mo
 # ---------------------------------------------------------------- TensorSketch (large matrices)
 def _tensor_store(monkeypatch, shapes, k, seed, n_agents=4):
     """A SketchStore whose matrices are tensor-hashed (as weights too large to hand over whole are)."""
-    from gradscope.probe import store as store_module
+    from gradscope.probe import sketch as sketch_module
 
     params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
     with monkeypatch.context() as m:
-        m.setattr(store_module, "CHUNK", 1)  # every matrix counts as large
+        m.setattr(sketch_module, "_tensor_hashed", lambda p, k: p.dim() >= 2)  # every matrix counts as large
         store = SketchStore(params, [f"p{i}.weight" for i in range(len(params))], [0] * len(params), 1,
                             n_agents, Sketch(k, seed))
     assert all(store.tensor[i] == (len(s) == 2) for i, s in enumerate(shapes))
@@ -304,7 +304,7 @@ def test_tensor_sketch_of_token_products_equals_the_sketch_of_their_sum(monkeypa
     G, A = torch.randn(N, d_out, generator=g, dtype=torch.float64), torch.randn(N, d_in, generator=g, dtype=torch.float64)
     agents = torch.randint(0, 4, (N,), generator=g)
     fft = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
-    monkeypatch.setattr(sketch_module, "CHUNK", 64 * 3)  # three tokens per FFT chunk
+    monkeypatch.setattr(sketch_module, "FFT_VALUES", 32 * 3)  # three tokens per FFT chunk
     fft.add_outer(0, agents, G, A)
     dense = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
     present = agents.unique().tolist()
@@ -349,3 +349,22 @@ def test_tensor_hashed_errors_within_their_bound_across_seeds(monkeypatch, struc
     # agent 3's norm against the CountSketch bound: its 60 tokens are independent noise
     cs_ratio = np.mean(err[:, 3, 3] ** 2) / cs_bound[3, 3]
     assert cs_ratio > 1.8 if structure == "rank-one" else cs_ratio < 1.3
+
+
+def test_full_width_weights_hooks_tensorsketch_equals_split():
+    """Full-width weights are tensor-hashed: hooks sketches each token's product by FFT, split hashes the
+    dense gradient; same linear map, same Gram to rounding, and .grad as a plain step."""
+    model = _deep_mlp(96)
+    x = torch.randn(8, 3, 96, generator=torch.Generator().manual_seed(4))
+    agent_ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])[:, None].expand(8, 3)
+    results = {}
+    for method in ("hooks", "split"):
+        model.zero_grad(set_to_none=True)
+        probe = Probe(model, AGENTS, ROLES, method=method, sketch=Sketch(64, seed=1))
+        with probe.step(0) as s:
+            s.backward_tokens(model(x).square().mean(-1), agent_ids)
+        probe.close()
+        assert any(probe._method.store.tensor)
+        results[method] = s.result
+    assert results["hooks"].method == "hooks+check"
+    assert rel_err(results["hooks"].gram, results["split"].gram) < 1e-5
