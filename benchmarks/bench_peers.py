@@ -13,7 +13,7 @@ Methods (each a full step: forward, loss, backward, and the K×K Gram; ``.grad``
 leaves it, to rounding):
 
 ``plain``       ``loss.sum().backward()``, no probe;
-``hooks``       ``Probe(method="hooks")``; ``hooks+sketch`` with ``sketch=1024`` (TensorSketch on the
+``hooks``       ``Probe(method="hooks")``; ``hooks+sketch`` with ``sketch=256`` (TensorSketch on the
                 MLP's full-width weights);
 ``split``       ``Probe(method="split")``; ``split+sketch`` likewise;
 ``naive``       one ``torch.autograd.grad`` per agent on the shared forward, gradients stacked, Gram;
@@ -69,7 +69,7 @@ METHODS = {
     "mlp": ["plain", "hooks", "hooks+sketch", "split", "split+sketch", "naive", "microbatch", "func", "opacus",
             "backpack"],
 }
-SKETCH = 1024
+SKETCH = 256
 GOALS = "hooks < func, opacus, backpack and <= 1.05x plain (lora-lm); split <= naive; hooks+sketch <= 1.3x (mlp)"
 
 

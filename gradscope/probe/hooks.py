@@ -201,7 +201,8 @@ class HooksMethod(GramMethod):
         self._missed = False
         self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients
         self._grad0: list[torch.Tensor | None] = []
-        self._magnitude: dict[int, torch.Tensor] = {}  # param index → Σ_tokens ‖G_t‖‖A_t‖ (float64 scalar)
+        self._magnitude: dict[int, torch.Tensor] = {}  # param index → magnitude S (float64 scalar)
+        self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
         self._unowned_grad: str | None = None  # a layer whose rows of no agent received gradient
         self.failed_check = False  # under auto, after a failed self-check: split from then on
         self.fallback_calls = 0    # calls that went through split, since construction
@@ -262,22 +263,32 @@ class HooksMethod(GramMethod):
             if forward.unowned is not None and self._unowned_grad is None \
                     and bool(grad.reshape(forward.rows, -1)[forward.unowned].any()):
                 self._unowned_grad = layer.name
+            g_norm = torch.linalg.vector_norm(grad, dtype=torch.float64)
             if layer.embedding:
-                self._add_magnitude(layer.weight, grad.reshape(-1, grad.shape[-1]).double().norm(dim=1).sum())
+                self._add_magnitude(layer.weight, g_norm * grad[..., 0].numel() ** 0.5)
                 self._embedding_rows(layer, forward, x, grad)
                 return
-            A = x.reshape(forward.rows, -1, x.shape[-1]).to(self.dtype)
-            G = grad.reshape(forward.rows, -1, grad.shape[-1]).to(self.dtype)
-            g_norm = G.norm(dim=-1).double()
+            A = x.reshape(forward.rows, -1, x.shape[-1])
+            G = grad.reshape(forward.rows, -1, grad.shape[-1])
+            if A.dtype != self.dtype:
+                A, G = A.to(self.dtype), G.to(self.dtype)
             if layer.weight is not None:
-                self._add_magnitude(layer.weight, (A.norm(dim=-1).double() * g_norm).sum())
+                self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
             if layer.bias is not None:
-                self._add_magnitude(layer.bias, g_norm.sum())
+                self._add_magnitude(layer.bias, g_norm * A.shape[1] ** 0.5)
             (self._linear if self.store is None else self._linear_to_store)(layer, forward, A, G)
 
+    def _norm_of(self, x: torch.Tensor) -> torch.Tensor:
+        """‖x‖_F in float64, once per input tensor and call (q, k and v projections share their input)."""
+        key = (x.data_ptr(), x.shape, x.stride(), x._version)
+        if key not in self._norms:  # the entry keeps x alive, so its address is not reused during the call
+            self._norms[key] = (x, torch.linalg.vector_norm(x, dtype=torch.float64))
+        return self._norms[key][1]
+
     def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
-        """Add to ``Σ_tokens ‖G_t‖‖A_t‖`` of ``params[i]``: the Frobenius norm bound of the rank-one terms that
-        autograd (and this method) sum into the gradient, which scales their rounding error."""
+        """Add to the magnitude ``S`` of ``params[i]``: ``‖G‖_F ‖A‖_F`` per call (≥ ``Σ_tokens ‖G_t‖‖A_t‖`` by
+        Cauchy–Schwarz; for a bias or an embedding ``A_t`` is one), which bounds the norm of the rank-one terms
+        that autograd (and this method) sum into the gradient, and so scales their rounding error."""
         self._magnitude[i] = value if i not in self._magnitude else self._magnitude[i] + value
 
     # ------------------------------------------------------------------ per-agent contributions
@@ -443,7 +454,7 @@ class HooksMethod(GramMethod):
         try:
             torch.autograd.backward(loss.sum(), retain_graph=retain_graph or checking)
         finally:
-            self._in_call = False
+            self._in_call, self._norms = False, {}
             self._forwards = [f for f in self._forwards if f is self._tagged]
         if self._missed or not all(f.consumed for f in live):
             raise ProbeError("hooks: the backward reached hooked layers of a forward that is not among this "
@@ -688,8 +699,8 @@ def add_up_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     ``|Σ_kl M_kl − ‖Δ.grad‖²|`` may be at most ``tol · (Σ_k ‖g_k‖)² + eps · (S (‖Δ.grad‖ + ‖Σ_k g_k‖) + S_ghost²)``:
     the first term is rounding relative to the agents' gradients (1e-4 fp32, 1e-8 fp64, 3e-2 16-bit);
     the second is rounding relative to what was summed into them. ``S`` bounds the norm of the
-    rank-one token terms ``G_t A_tᵀ`` (``Σ_t ‖G_t‖‖A_t‖`` per weight, root-sum-square over the group's
-    weights, plus ‖.grad‖ before the step); when they cancel (two identical rows with opposite
+    rank-one token terms ``G_t A_tᵀ`` (``Σ_calls ‖G‖_F ‖A‖_F ≥ Σ_t ‖G_t‖‖A_t‖`` per weight, root-sum-square
+    over the group's weights, plus ‖.grad‖ before the step); when they cancel (two identical rows with opposite
     advantages) the gradient is rounding noise of size ``eps · S`` that no relative tolerance allows.
     ``S_ghost²`` covers ghost weights, whose Gram is summed from products of token pairs. ``eps`` is
     64 machine epsilons, at most ``tol``.

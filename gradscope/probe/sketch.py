@@ -174,6 +174,8 @@ class SketchStore(Store):
     def _project(self, i: int, values: torch.Tensor, start: int) -> torch.Tensor:
         """(a, k) float64 sketches of rows ``values`` (a, m), coordinates ``[start, start + m)`` of ``params[i]``."""
         a = values.shape[0]
+        if self.tensor[i] and start == 0 and values.shape[1] == self.params[i].numel():
+            return self._project_matrices(i, values)
         out = torch.zeros(a, self.k, dtype=torch.float64, device=self.device)
         offsets = torch.arange(a, device=self.device)[:, None] * (2 * self.k)
         for lo in range(0, values.shape[1], CHUNK):
@@ -182,6 +184,18 @@ class SketchStore(Store):
             signed = torch.bincount((index + offsets).reshape(-1), chunk.reshape(-1), minlength=a * 2 * self.k)
             out += self._fold(signed.view(a, 2 * self.k))
         return out
+
+    def _project_matrices(self, i: int, values: torch.Tensor) -> torch.Tensor:
+        """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each row's CountSketch over
+        the columns, rolled by the row's bucket and signed (``TS(X) = Σ_i s_r(i) roll(C_c x_i, h_r(i))``)."""
+        rows, cols = _matrix_shape(self.params[i])
+        h_rows, h_cols = self._axis_hashes(i)
+        k, a = self.k, values.shape[0]
+        Y = self._count_sketch(values.reshape(a * rows, cols), h_cols)            # (a·rows, k)
+        Y = Y * (1 - 2 * (h_rows >= k).to(Y.dtype)).repeat(a)[:, None]
+        shifted = (h_rows % k).repeat(a)[:, None] + torch.arange(k, device=self.device)
+        index = shifted % k + (torch.arange(a, device=self.device) * k).repeat_interleave(rows)[:, None]
+        return torch.bincount(index.reshape(-1), Y.reshape(-1), minlength=a * k).view(a, k).double()
 
     def add(self, i: int, agents: Sequence[int], values: torch.Tensor, start: int = 0) -> None:
         self.state[self.cell_index[i], list(agents)] += self._project(i, values, start)
