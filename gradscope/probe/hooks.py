@@ -199,7 +199,8 @@ class HooksMethod(GramMethod):
         self._new_forward = True
         self._in_call = False
         self._missed = False
-        self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients
+        self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients, this step
+        self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
         self._grad0: list[torch.Tensor | None] = []
         self._magnitude: dict[int, torch.Tensor] = {}  # param index → magnitude S (float64 scalar)
         self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
@@ -263,7 +264,7 @@ class HooksMethod(GramMethod):
             if forward.unowned is not None and self._unowned_grad is None \
                     and bool(grad.reshape(forward.rows, -1)[forward.unowned].any()):
                 self._unowned_grad = layer.name
-            g_norm = torch.linalg.vector_norm(grad, dtype=torch.float64)
+            g_norm = _norm(grad)
             if layer.embedding:
                 self._add_magnitude(layer.weight, g_norm * grad[..., 0].numel() ** 0.5)
                 self._embedding_rows(layer, forward, x, grad)
@@ -282,7 +283,7 @@ class HooksMethod(GramMethod):
         """‖x‖_F in float64, once per input tensor and call (q, k and v projections share their input)."""
         key = (x.data_ptr(), x.shape, x.stride(), x._version)
         if key not in self._norms:  # the entry keeps x alive, so its address is not reused during the call
-            self._norms[key] = (x, torch.linalg.vector_norm(x, dtype=torch.float64))
+            self._norms[key] = (x, _norm(x))
         return self._norms[key][1]
 
     def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
@@ -362,9 +363,12 @@ class HooksMethod(GramMethod):
                            G.reshape(-1))
 
     def _dense_of(self, i: int) -> torch.Tensor:
-        if i not in self._dense:
-            p = self.params[i]
-            self._dense[i] = torch.zeros(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
+        if i not in self._dense:  # reuse the buffer of an earlier step: no allocation per step
+            buffer = self._buffers.get(i)
+            if buffer is None:
+                p = self.params[i]
+                buffer = self._buffers[i] = torch.empty(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
+            self._dense[i] = buffer.zero_()
         return self._dense[i]
 
     def _materialise(self, layer: _Layer) -> None:
@@ -683,6 +687,12 @@ class HooksMethod(GramMethod):
         allowed = (tol * scale + eps * (summands * (np.sqrt(delta_sq) + np.sqrt(np.clip(total, 0, None))) + ghost_sq)
                    + np.finfo(np.float64).tiny)
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """‖x‖_F as a float64 scalar, reduced in x's own precision (fp32 for 16-bit x, which could overflow):
+    no float64 copy of x."""
+    return torch.linalg.vector_norm(x, dtype=torch.float32 if x.element_size() < 4 else None).double()
 
 
 def _per_row(rows: int, T: int, d_out: int, d_in: int) -> bool:
