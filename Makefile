@@ -22,7 +22,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+# Benchmarks need the probe's peers (pyproject extra "bench"); BackPACK without its torchvision
+# requirement (a CUDA torchvision breaks transformers on CPU torch), see benchmarks/bench_peers.py.
+$(VENV)/.bench: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[bench]'
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps 'backpack-for-pytorch>=1.6'
+	touch $(VENV)/.bench
+
+bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
