@@ -60,7 +60,7 @@ class GramMethod(ABC):
     #: What measured the step that just ended (a name of ``gradscope.runfile.schema.PROBE_METHODS``).
     record: str = "split"
     #: Warnings of the step that just ended (fallbacks, a failed self-check), for the run file.
-    warnings: list[str] = []
+    warnings: Sequence[str] = ()
 
     @abstractmethod
     def backward(self, terms: Terms, retain_graph: bool) -> None:
