@@ -134,7 +134,7 @@ def test_a_killed_rank_ends_the_job_without_hanging(tmp_path):
 
 
 @pytest.mark.parametrize("k", [256])
-def test_sketched_probe_in_training(tmp_path, k):
+def test_sketched_probe_in_training(tmp_path, k, alternating_rewards):
     """--probe-sketch K: the run file says so; IP adapters stay exactly orthogonal; the sketched
     total norm is close to the trainer's exact gradient norm (sd ≈ 1/√(2k) relative)."""
     from gradscope.trainers.train import Trainer
@@ -150,6 +150,6 @@ def test_sketched_probe_in_training(tmp_path, k):
         assert (run.gram[:, voters, agg] == 0).all()
         norm = run.scalars["grad_norm"].to_numpy()
         signal = norm > 1e-6 * norm.max()  # not a record whose gradient cancelled to rounding noise
-        assert signal.any()
+        assert signal.sum() >= len(norm) // 2
         rel = np.sqrt(np.clip(run.gram.sum(axis=(1, 2)), 0, None))[signal] / norm[signal] - 1
         assert np.abs(rel).max() < 5 / np.sqrt(2 * k) and np.abs(rel).max() > 0  # sketched, not exact

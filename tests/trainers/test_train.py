@@ -141,7 +141,7 @@ def test_resume_continues_exactly(tmp_path):
 def test_checkpoint_adapters_load_with_peft(tmp_path):
     from peft import PeftModel
 
-    from gradscope.trainers.testbed.warmstart import warm_started_model
+    from gradscope.trainers.testbed.cache import warm_started_model
 
     cfg = small(tmp_path, steps=1)
     trainer = Trainer(cfg)
@@ -229,3 +229,20 @@ def test_local_model_path_and_chat_templates(tmp_path):
     with open_run(cfg.out) as run:
         assert run.meta.config["model"] == str(folder) and run.meta.config["lora_rank"] == 4
         assert run.n_steps >= 1
+
+
+def test_testbed_uses_one_thread_unless_told(tmp_path):
+    """One intra-op thread by default for the testbed (--threads N to change it), recorded in the run file."""
+    before = torch.get_num_threads()
+    try:
+        trainer = Trainer(small(tmp_path, steps=1))
+        assert torch.get_num_threads() == 1 and trainer.cfg.threads == 1
+        trainer.run()
+        with open_run(trainer.cfg.out) as run:
+            assert run.meta.config["threads"] == 1
+        Trainer(small(tmp_path, steps=1, threads=2, overwrite=True))
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ConfigError, match="--threads"):
+            Trainer(small(tmp_path, threads=-1, overwrite=True))
+    finally:
+        torch.set_num_threads(before)
