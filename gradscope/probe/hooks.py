@@ -159,6 +159,7 @@ class _Piece:
     inputs: torch.Tensor | None
     dim: int = 0              # the batch dimension of ``inputs``
     ambiguous: bool = False   # several dimensions had the batch size and none was verified
+    node: object = None       # the output's grad_fn: is this call reachable from a loss?
 
 
 class _Fallback(Exception):
@@ -191,11 +192,12 @@ class HooksMethod(GramMethod):
             raise ProbeError(f"hooks cannot attribute parameters {uncovered}; use method='split'")
         self.strict, self.check_every = strict, check_every
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self._handles = [model.register_forward_pre_hook(self._on_model_call)]
+        self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward, layer))
                           for layer in self.layers]
         self._forwards: list[_Forward] = []
-        self._tagged: _Forward | None = None
+        self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
+        self._tagged: _Forward | None = None  # the forward its layer calls go to
         self._new_forward = True
         self._in_call = False
         self._missed = False
@@ -216,10 +218,22 @@ class HooksMethod(GramMethod):
         self.record = "hooks"                 # of the step that just ended (a PROBE_METHODS name)
 
     # ------------------------------------------------------------------ hooks
-    def _on_model_call(self, module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled() and self._tagged is None:
+    def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._tag is None:
             self._new_forward = True
             self._forwards = [f for f in self._forwards if not f.consumed]
+            return
+        agents, batch_dim, offset = self._tag
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        dim = batch_dim or 0
+        n = first.shape[dim] if first is not None and first.dim() > dim else len(agents) - offset
+        if offset + n > len(agents):
+            raise ProbeError(f"the model calls inside s.rows(...) hold more rows than its {len(agents)} agents")
+        self._tagged = _Forward(tag=agents[offset:offset + n], batch_dim=batch_dim)
+        self._forwards.append(self._tagged)
+        self._tag = (agents, batch_dim, offset + n)
 
     def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
@@ -231,22 +245,29 @@ class HooksMethod(GramMethod):
                 self._forwards.append(_Forward())
                 self._new_forward = False
             forward = self._forwards[-1]
-        piece = _Piece(layer, forward, args[0].detach())
+        piece = _Piece(layer, forward, args[0].detach(), node=output.grad_fn)
         forward.pieces.append(piece)
         output.register_hook(partial(self._on_grad, piece))
 
     @contextmanager
     def tag(self, agents: torch.Tensor, batch_dim: int | None = None) -> Iterator[None]:
-        """The forwards inside the block are one tagged forward whose row b belongs to ``agents[b]``."""
-        if self._tagged is not None:
+        """The model calls inside the block hold rows ``agents`` (B,) between them, in call order (one call,
+        or chunks of the batch: a call's rows are its first tensor argument's batch dimension). Layers
+        called without the model go to one forward holding all B rows."""
+        if self._tag is not None:
             raise ProbeError("s.rows(...) blocks cannot nest")
         self._forwards = [f for f in self._forwards if not f.consumed]
-        self._tagged = _Forward(tag=agents, batch_dim=batch_dim)
-        self._forwards.append(self._tagged)
+        self._tag = (agents, batch_dim, 0)
+        self._tagged = _Forward(tag=agents, batch_dim=batch_dim)  # replaced at the first model call
         try:
             yield
+            used = self._tag[2]
+            if used not in (0, len(agents)):
+                raise ProbeError(f"the model calls inside s.rows(...) hold {used} rows, its agents {len(agents)}")
+            if used == 0 and self._tagged.pieces:
+                self._forwards.append(self._tagged)
         finally:
-            self._tagged = None
+            self._tag, self._tagged = None, None
             self._new_forward = True
 
     def _on_grad(self, piece: _Piece, grad: torch.Tensor) -> None:
@@ -432,7 +453,7 @@ class HooksMethod(GramMethod):
         try:
             if self.failed_check:
                 raise _Fallback("check-failed", "hooks failed its self-check earlier")
-            self._match(live, row_agents)
+            live = self._match(live, row_agents, loss)
         except _Fallback as fb:
             if terms is None:
                 raise ProbeError(f"hooks cannot attribute this loss: {fb}; and split cannot split a scalar loss. "
@@ -466,8 +487,12 @@ class HooksMethod(GramMethod):
         if checking:
             self._split_for_check(terms(), retain_graph)
 
-    def _match(self, live: list[_Forward], row_agents: torch.Tensor | None) -> None:
-        """Give every live forward the agents of its rows and every layer call its batch dimension."""
+    def _match(self, live: list[_Forward], row_agents: torch.Tensor | None, loss: torch.Tensor) -> list[_Forward]:
+        """Give every forward the loss reaches the agents of its rows and every layer call its batch
+        dimension; returns those forwards."""
+        if len([f for f in live if f.tag is None]) > 1 or (len(live) > 1 and any(f.tag is None for f in live)):
+            reachable = _reachable_nodes(loss)  # forwards never back-propagated (stale) do not count
+            live = [f for f in live if any(id(p.node) in reachable for p in f.pieces)]
         if not live:
             raise _Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
                                               "since the previous backward")
@@ -501,6 +526,7 @@ class HooksMethod(GramMethod):
                 piece.dim = verified if verified in dims else dims[0]
                 piece.ambiguous = len(dims) > 1 and verified not in dims
             f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
+        return live
 
     def _split_for_check(self, terms: Terms, retain_graph: bool) -> None:
         """The self-check's side: each agent's gradient by ``autograd.grad`` (``.grad`` untouched)."""
@@ -687,6 +713,20 @@ class HooksMethod(GramMethod):
         allowed = (tol * scale + eps * (summands * (np.sqrt(delta_sq) + np.sqrt(np.clip(total, 0, None))) + ghost_sq)
                    + np.finfo(np.float64).tiny)
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
+
+
+def _reachable_nodes(loss: torch.Tensor) -> set[int]:
+    """ids of the autograd nodes a backward of ``loss`` reaches (a walk of its graph, only needed when
+    several forwards are candidates)."""
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(n for n, _ in node.next_functions)
+    return seen
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The pluggable part of the probe: how per-agent gradient contributions are measured.
 
 A :class:`GramMethod` sees one probed step at a time: ``begin``, any number of ``backward`` /
-``backward_tokens`` calls (one per micro-batch), then ``end`` (or ``abort`` on error). After ``end``
+``backward_rows`` calls (one per micro-batch), then ``end`` (or ``abort`` on error). After ``end``
 every parameter's ``.grad`` must be what an unprobed step would have left, to fp32 rounding.
 With a :class:`~gradscope.probe.store.Store` (sketch mode, data parallelism), ``end`` returns
 ``store.grams()``: the per-agent contributions must have gone into the store.

@@ -262,3 +262,43 @@ def test_backward_rows_bad_input():
         with pytest.raises(ProbeError, match="unknown agent"):
             s.backward_rows(torch.zeros(2, requires_grad=True), ["voter0", "nobody"])
     assert np.all(s.result.gram == 0)
+
+
+def test_chunked_forwards_in_one_tagged_block():
+    """A framework computing log-probs in chunks of rows (TRL): the model calls inside one s.rows block
+    take the block's rows in call order, each as many as its input's batch dimension holds."""
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    rows = list(range(8))
+    expected = brute([case.call(rows)], lora_params(model))
+
+    def call(s):
+        with s.rows(case.ROW_AGENT[rows]):
+            lp = torch.cat([case.logprobs(rows[:3]), case.logprobs(rows[3:])])
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    call.tags = True
+    result, probe = run(model, "hooks", [call])
+    assert probe._method.fallback_calls == 0 and result.method == "hooks+check"
+    assert rel_err(result.gram, expected) < 1e-5
+    probe = Probe(model, AGENTS, ROLES)
+    with pytest.raises(ProbeError, match="hold more rows than its 4 agents"):
+        with probe.step(0) as s, s.rows(case.ROW_AGENT[:4]):
+            case.logprobs(rows[:3])
+            case.logprobs(rows[3:])
+
+
+def test_a_forward_never_back_propagated_is_not_a_candidate():
+    """A grad-enabled forward whose graph is never back-propagated (a stale one, kept alive or not) does
+    not make the rows of the real forward ambiguous."""
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+    expected = brute([call], lora_params(model))
+    probe = Probe(model, AGENTS, ROLES)
+    model.zero_grad(set_to_none=True)
+    with probe.step(0) as s:
+        kept = case.logprobs([0, 1])  # e.g. a logging forward with grad enabled, never back-propagated
+        s.backward_tokens(*call())
+    assert s.result.method == "hooks+check" and probe._method.fallback_calls == 0
+    assert rel_err(s.result.gram, expected) < 1e-5 and kept.requires_grad
