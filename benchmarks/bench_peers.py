@@ -61,7 +61,7 @@ from torch.func import functional_call, grad, vmap  # noqa: E402
 from gradscope.probe import Probe  # noqa: E402
 
 CONFIGS = {
-    "lora-lm": dict(B=32, T=64, warmup=2, reps=7),
+    "lora-lm": dict(B=32, T=64, warmup=2, reps=5),
     "mlp": dict(B=64, T=16, warmup=2, reps=9),
 }
 METHODS = {

@@ -297,7 +297,7 @@ class HooksMethod(GramMethod):
             if layer.weight is not None:
                 self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
             if layer.bias is not None:
-                self._add_magnitude(layer.bias, g_norm * A.shape[1] ** 0.5)
+                self._add_magnitude(layer.bias, g_norm * (A.shape[0] * A.shape[1]) ** 0.5)  # Σ_t ‖G_t‖ ≤ √N ‖G‖
             (self._linear if self.store is None else self._linear_to_store)(layer, forward, A, G)
 
     def _norm_of(self, x: torch.Tensor) -> torch.Tensor:
