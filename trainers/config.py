@@ -44,6 +44,8 @@ class TrainConfig:
     alerts: str | None = flag(None, "YAML file of alert rules")
     default_alerts: bool = flag(True, "the built-in alert rules (warn + record); --no-default-alerts: off")
     dist_timeout: float = flag(300.0, "under torchrun: seconds a collective may wait for a silent rank")
+    unsafe_sandbox: bool = flag(False, "code tasks: run generated programs even where the sandbox lacks a layer "
+                                       "(user namespaces, seccomp); docs/sandbox.md")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def resolved(self) -> "TrainConfig":
