@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from gradscope.trainers.sandbox import spawn
 from gradscope.trainers.sandbox.limits import Limits, SandboxResult
 from gradscope.trainers.sandbox.run import execute, result
 from gradscope.trainers.sandbox.verdict import verdict
@@ -26,10 +25,10 @@ def _status(pid: str) -> tuple[int, str] | None:
 
 
 def sandbox_processes() -> list[int]:
-    """Live (non-zombie) processes started by this test process (launchers, and the programs while
-    their launcher lives; a program whose launcher dies is killed with it), or launchers of this
-    checkout. Processes of other checkouts' runs on the same machine are not counted."""
-    me, launcher = os.getpid(), spawn.LAUNCHER.encode()
+    """Live (non-zombie) descendants of this test process: launchers, and programs while their
+    launcher lives (a program whose launcher dies is killed with it). Runs of other test processes
+    on the same machine are not counted."""
+    me = os.getpid()
     procs = {}
     for pid in os.listdir("/proc"):
         st = _status(pid) if pid.isdigit() else None
@@ -37,19 +36,11 @@ def sandbox_processes() -> list[int]:
             procs[int(pid)] = st
     found = []
     for pid, (ppid, state) in procs.items():
-        if state in "ZX" or pid == me:
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                ours = launcher in f.read()
-        except OSError:
-            ours = False
         seen = set()
-        while not ours and ppid > 1 and ppid not in seen:
+        while ppid > 1 and ppid != me and ppid not in seen:
             seen.add(ppid)
-            ours = ppid == me
             ppid = procs.get(ppid, (0, ""))[0]
-        if ours:
+        if ppid == me and state not in "ZX":
             found.append(pid)
     return found
 

@@ -1,21 +1,22 @@
-"""Sets up one sandboxed program, then becomes it. Run by the caller, never imported:
-``python -I -S -B launcher.py <spec>`` (the spec is built by ``spawn.py``: a dict, ``marshal``-ed
-and hex-encoded - it comes from the caller, and ``marshal`` needs no import, unlike ``json``).
+"""Sets up one sandboxed program, then becomes it. Never imported by the caller: ``spawn.py``
+compiles this file once and runs it in a fresh interpreter as
+``python -I -S -B -c <stub> <fd>``, where the descriptor holds the *job* - ``marshal``-ed data from
+the caller: the spec, the program's files, the compiled child modules and this code.
 
 As the caller's user (root or not), single-threaded, before the program exists::
 
     unshare(user* | mount | pid | net | ipc | uts)     * not as root; then map the own uid/gid
-    fork ── pid 1 of the new PID namespace (dies with the launcher: PR_SET_PDEATHSIG)
-            mount namespace private; a fresh tmpfs becomes the root (pivot_root):
+    fork ── pid 1 of the new PID namespace
+            setsid; mount namespace private; a fresh tmpfs becomes the root (pivot_root):
               read-only binds of /usr, /lib*, /bin, /sbin, ld.so.cache and the interpreter prefix,
               empty read-only tmpfs over every site-/dist-packages folder inside them
               /dev: null zero full random urandom, and /dev/shm (tmpfs, size cap)
               /tmp (tmpfs, size cap), /sandbox (tmpfs, size cap, the working directory)
-              /.gradscope (boot.py, guard.py, plain.py); then / itself read-only
+              /.gradscope (boot.pyc, guard.pyc, plain.pyc); then / itself read-only
             root only: setgroups([]), setresgid/setresuid(the run's sandbox uid)
             rlimits (AS, CPU, FSIZE, NPROC, NOFILE, CORE=0, MSGQUEUE=0)
-            no_new_privs + seccomp filter (seccomp.py)
-            execve(python -I -S -B /.gradscope/boot.py <mode> <wd> <hook> <entry> <fds>, env={})
+            no_new_privs + seccomp filter (seccomp.py); PR_SET_PDEATHSIG(SIGKILL)
+            execve(python -I -S -B -c <boot stub> /.gradscope <mode> <wd> <hook> <entry> <fds>, env={})
     the launcher waits, kills pid 1 at the backstop deadline, reports the exit status + CPU time.
 
 Status lines on the status descriptor: ``READY <layers>`` (just before execve), ``EXIT <wait
@@ -26,14 +27,10 @@ system, in the caller's temporary directory.
 """
 import codecs
 import ctypes
-import marshal
 import os
 import select
 import signal
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import seccomp  # noqa: E402  (a sibling file: this script runs with -I, outside any package)
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -43,8 +40,12 @@ MNT_DETACH = 2
 SYS_PIVOT_ROOT = 155
 PR_SET_PDEATHSIG = 1
 WD, LIB = "/sandbox", "/.gradscope"
+#: What the program's interpreter runs: the child modules from a folder (``/.gradscope``, or the
+#: package's ``child/`` folder in unsafe mode without namespaces).
+BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import boot; boot.main(*sys.argv[2:])"
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
+seccomp = None  # the sibling module seccomp.py, imported by main() from the package's folder
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                        ctypes.c_char_p]
@@ -91,17 +92,19 @@ def _mount_points_under(path):
     return [p for p in points if p == path or p.startswith(path + "/")]
 
 
-def write_file(path, text, mode=0o644):
+def write_file(path, data, mode=0o644):
+    """Create ``path`` with ``data`` (str or bytes)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        data = text.encode("utf-8", "surrogatepass")
+        if isinstance(data, str):
+            data = data.encode("utf-8", "surrogatepass")
         while data:
             data = data[os.write(fd, data):]
     finally:
         os.close(fd)
 
 
-def build_root(spec, files, lib_files, uid, gid):
+def build_root(spec, files, lib, uid, gid):
     """The program's whole file system, under spec["anchor"], then pivot_root into it."""
     lim = spec["limits"]
     root = spec["anchor"]
@@ -140,8 +143,8 @@ def build_root(spec, files, lib_files, uid, gid):
     for name, text in files.items():
         write_file(root + WD + "/" + name, text)
     os.mkdir(root + LIB, 0o755)
-    for name, text in lib_files.items():
-        write_file(root + LIB + "/" + name, text)
+    for name, data in lib.items():
+        write_file(root + LIB + "/" + name, data)
     os.chdir(root)
     _check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "umount the old root")
@@ -178,7 +181,7 @@ def _own_tasks():
     return n
 
 
-def program(spec, ns, files, lib_files, alive_r, feats, lack):
+def program(spec, ns, files, lib, alive_r, feats, lack):
     """In the forked child (pid 1 of the new PID namespace): finish the set-up and exec."""
     as_root = spec["uid"] >= 0
     uid, gid = (spec["uid"], spec["uid"]) if as_root else (os.getuid(), os.getgid())
@@ -186,7 +189,7 @@ def program(spec, ns, files, lib_files, alive_r, feats, lack):
     if ns:
         os.setsid()  # kill(0) / killpg(0) must not reach the launcher, which is outside the namespace
         try:
-            build_root(spec, files, lib_files, uid, gid)
+            build_root(spec, files, lib, uid, gid)
             feats.append("rootfs")
         except OSError as e:
             lack("rootfs", str(e))
@@ -212,7 +215,7 @@ def program(spec, ns, files, lib_files, alive_r, feats, lack):
     why = seccomp.supported()
     if why is None:
         try:
-            seccomp.install(bytes.fromhex(spec["seccomp"]))
+            seccomp.install(spec["seccomp"])
             feats += ["no_new_privs", "seccomp"]
         except OSError as e:
             why = str(e)
@@ -221,9 +224,9 @@ def program(spec, ns, files, lib_files, alive_r, feats, lack):
         if libc.prctl(38, 1, 0, 0, 0) == 0:  # PR_SET_NO_NEW_PRIVS
             feats.append("no_new_privs")
     boot = spec["boot"]
-    boot_py = (LIB if ns else spec["lib_dir"]) + "/boot.py"
-    argv = [boot_py, boot["mode"], WD if ns else spec["anchor"], "1" if boot["hook"] else "0",
-            boot.get("entry", ""), ",".join(str(fd) for fd in boot.get("fds", ()))]
+    argv = [LIB if ns else spec["lib_dir"], boot["mode"], WD if ns else spec["anchor"],
+            "1" if boot["hook"] else "0", boot.get("entry", ""),
+            ",".join(str(fd) for fd in boot.get("fds", ()))]
     for fd in spec["keep_fds"]:
         os.set_inheritable(fd, True)
     # Die with the launcher. Set last: a change of uid clears it.
@@ -233,14 +236,14 @@ def program(spec, ns, files, lib_files, alive_r, feats, lack):
     os.close(alive_r)
     status(spec, "READY " + " ".join(feats))
     exe = spec["exe"]
-    os.execve(exe, [exe, "-I", "-S", "-B", *argv], {})
+    os.execve(exe, [exe, "-I", "-S", "-B", "-c", BOOT, *argv], {})
 
 
 def status(spec, line):
     os.write(spec["status"], (line.replace("\n", " ") + "\n").encode("utf-8", "replace"))
 
 
-def launch(spec):
+def launch(spec, files, lib):
     strict = spec["strict"]
     feats = []
 
@@ -249,33 +252,30 @@ def launch(spec):
             raise Unavailable("%s: %s" % (layer, why))
         feats.append("!" + layer)
 
-    with os.fdopen(spec["files_fd"], "rb") as f:
-        files = marshal.loads(f.read())
-    lib_files = {}
-    for name in ("boot.py", "guard.py", "plain.py"):
-        with open(os.path.join(spec["lib_dir"], name), encoding="utf-8") as f:
-            lib_files[name] = f.read()
     as_root = spec["uid"] >= 0
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     uid, gid = os.getuid(), os.getgid()
+    hint = "" if as_root else " (unprivileged user namespaces are disabled or restricted here)"
     ns = libc.unshare(flags if as_root else flags | CLONE_NEWUSER) == 0
-    if ns:
-        if not as_root:
+    if not ns:
+        lack("namespaces", "unshare: %s%s" % (os.strerror(ctypes.get_errno()), hint))
+    elif not as_root:
+        try:
             for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
                                ("gid_map", "%d %d 1" % (gid, gid))):
                 with open("/proc/self/" + name, "w") as f:
                     f.write(text)
             feats.append("userns")
+        except OSError as e:
+            lack("namespaces", "user namespace: %s%s" % (e, hint))
+            ns = False
+    if ns:
         feats.append("namespaces")
-    else:
-        e = ctypes.get_errno()
-        lack("namespaces", "unshare: %s%s" % (os.strerror(e), "" if as_root else
-             " (unprivileged user namespaces are disabled or restricted on this machine)"))
     alive_r, alive_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            program(spec, ns, files, lib_files, alive_r, feats, lack)
+            program(spec, ns, files, lib, alive_r, feats, lack)
         except Unavailable as e:
             status(spec, "UNAVAILABLE %s" % e)
         except BaseException as e:
@@ -298,17 +298,18 @@ def launch(spec):
     status(spec, "EXIT %d %.6f" % (wait_status, usage.ru_utime + usage.ru_stime))
 
 
-def main(spec):
+def main(job):
+    """Run by the stub in spawn.py with the job it read."""
+    global seccomp
+    spec = job["spec"]
     os.set_inheritable(spec["status"], False)
     try:
-        launch(spec)
+        sys.path.insert(0, spec["pkg_dir"])
+        import seccomp  # a sibling file, outside any package here
+        launch(spec, job["files"], job["lib"])
     except Unavailable as e:
         status(spec, "UNAVAILABLE %s" % e)
         os._exit(125)
     except BaseException as e:
         status(spec, "ERR %s: %s" % (type(e).__name__, e))
         os._exit(125)
-
-
-if __name__ == "__main__":
-    main(marshal.loads(bytes.fromhex(sys.argv[1])))

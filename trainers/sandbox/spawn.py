@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib.util
 import marshal
 import os
 import shutil
@@ -24,8 +25,14 @@ from . import seccomp, uids
 from .limits import MAX_OPEN_FILES, Limits, SandboxError
 
 IS_ROOT = os.geteuid() == 0
-LIB_DIR = str(Path(__file__).resolve().parent / "child")
-LAUNCHER = str(Path(__file__).resolve().parent / "launcher.py")
+PKG_DIR = str(Path(__file__).resolve().parent)
+LIB_DIR = os.path.join(PKG_DIR, "child")
+LAUNCHER = os.path.join(PKG_DIR, "launcher.py")
+#: The launcher's interpreter reads the job (marshal-ed by the caller) from a descriptor and runs
+#: the launcher's code from it.
+LAUNCH = ("import marshal, os, sys\nwith os.fdopen(int(sys.argv[1]), 'rb') as f:\n"
+          "    job = marshal.loads(f.read())\nns = {'__name__': 'launcher'}\n"
+          "exec(job.pop('launcher'), ns)\nns['main'](job)\n")
 #: The launcher kills the program this long after the wall limit if the caller has not (e.g.
 #: because the caller itself was killed).
 BACKSTOP_S = 2.0
@@ -82,8 +89,17 @@ def layout() -> Layout:
 
 
 @functools.lru_cache(maxsize=None)
-def _filter_hex() -> str:
-    return seccomp.sandbox_filter().hex()
+def _compiled() -> dict:
+    """The launcher's code and the child modules as ``.pyc`` files, compiled once per caller:
+    compiling them in every run would cost more than the rest of the set-up."""
+    def pyc(name: str) -> bytes:
+        source = Path(LIB_DIR, name + ".py").read_text(encoding="utf-8")
+        code = compile(source, f"/.gradscope/{name}.py", "exec", dont_inherit=True)
+        return importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code)  # flags, mtime, size: 0
+
+    launcher = compile(Path(LAUNCHER).read_text(encoding="utf-8"), LAUNCHER, "exec", dont_inherit=True)
+    return {"launcher": launcher, "lib": {f"{n}.pyc": pyc(n) for n in ("boot", "guard", "plain")},
+            "seccomp": seccomp.sandbox_filter()}
 
 
 @dataclass
@@ -104,45 +120,47 @@ def spawn(files: dict[str, str], boot: dict, limits: Limits, *, stdin: str = "",
     ``boot`` are the settings of ``child/boot.py`` (mode, hook, ...); ``keep_fds`` stay open in
     the program (and only there: the caller should close its copies). Always pair with
     :func:`release`."""
-    lay = layout()
+    lay, compiled = layout(), _compiled()
     anchor = tempfile.mkdtemp(prefix="gradscope-sbx-")
     uid, lock_fd = -1, -1
-    files_f = stdin_f = None
-    status_w = -1
+    job_f = stdin_f = None
+    status_r = status_w = -1
     try:
         if IS_ROOT:
             uid, lock_fd = uids.acquire_uid()
             os.chown(anchor, uid, uid)  # the working directory when namespaces are missing
-        files_f = tempfile.TemporaryFile()
-        files_f.write(marshal.dumps(files))
-        files_f.seek(0)
-        stdin_f = tempfile.TemporaryFile()
-        stdin_f.write(stdin.encode("utf-8", "surrogatepass"))
-        stdin_f.seek(0)
         status_r, status_w = os.pipe()
         cpu = max(1, int(-(-limits.cpu_s // 1)))
         spec = {
-            "status": status_w, "files_fd": files_f.fileno(), "uid": uid, "exe": lay.exe,
-            "lib_dir": LIB_DIR, "anchor": anchor, "binds": lay.binds, "links": dict(lay.links),
-            "masks": lay.masks, "seccomp": _filter_hex(), "keep_fds": list(keep_fds),
-            "strict": strict, "backstop_s": limits.wall_s + BACKSTOP_S, "boot": boot,
+            "status": status_w, "uid": uid, "exe": lay.exe, "pkg_dir": PKG_DIR, "lib_dir": LIB_DIR,
+            "anchor": anchor, "binds": lay.binds, "links": dict(lay.links), "masks": lay.masks,
+            "seccomp": compiled["seccomp"], "keep_fds": list(keep_fds), "strict": strict,
+            "backstop_s": limits.wall_s + BACKSTOP_S, "boot": boot,
             "limits": {"cpu": [cpu, cpu + 1], "as": limits.memory_mb * 2**20,
                        "fsize": limits.max_file_mb * 2**20, "procs": limits.max_procs,
                        "nofile": MAX_OPEN_FILES, "tmp_kb": max(64, limits.max_file_mb * 1024),
                        "wd_kb": limits.disk_mb * 1024},
         }
+        job_f = tempfile.TemporaryFile()
+        job_f.write(marshal.dumps({"spec": spec, "files": files, "lib": compiled["lib"],
+                                   "launcher": compiled["launcher"]}))
+        job_f.seek(0)
+        stdin_f = tempfile.TemporaryFile()
+        stdin_f.write(stdin.encode("utf-8", "surrogatepass"))
+        stdin_f.seek(0)
         t0 = time.monotonic()
-        popen = subprocess.Popen([lay.exe, "-I", "-S", "-B", LAUNCHER, marshal.dumps(spec).hex()], env={},
+        popen = subprocess.Popen([lay.exe, "-I", "-S", "-B", "-c", LAUNCH, str(job_f.fileno())], env={},
                                  cwd=anchor, stdin=stdin_f, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True,
-                                 pass_fds=(status_w, files_f.fileno(), *keep_fds))
+                                 pass_fds=(status_w, job_f.fileno(), *keep_fds))
     except BaseException:
-        if lock_fd >= 0:
-            os.close(lock_fd)
+        for fd in (lock_fd, status_r):
+            if fd >= 0:
+                os.close(fd)
         _rmtree(anchor)
         raise
     finally:
-        for f in (files_f, stdin_f):
+        for f in (job_f, stdin_f):
             if f is not None:
                 f.close()
         if status_w >= 0:

@@ -1,5 +1,7 @@
-"""Entry point of every sandboxed program: ``python -I -S -B boot.py MODE WD HOOK ENTRY FDS``
-(``HOOK`` 1 or 0; ``ENTRY`` the candidate's function name; ``FDS`` comma-separated descriptors).
+"""Entry point of every sandboxed program: the launcher runs ``python -I -S -B -c <stub> LIB MODE
+WD HOOK ENTRY FDS``, where the stub puts ``LIB`` (the folder with this file) first on ``sys.path``
+and calls :func:`main` (``HOOK`` 1 or 0; ``ENTRY`` the candidate's function name; ``FDS``
+comma-separated descriptors).
 
 Runs inside the sandbox, after the launcher has set up the namespaces, the read-only root, the
 limits and the seccomp filter. Three modes:
@@ -37,8 +39,8 @@ def _clear_environment():
 
 def _report_and_exit(e: BaseException) -> None:
     """Print the traceback without this file's frames and exit 1 (like an uncaught exception)."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    tb, here = e.__traceback__, _report_and_exit.__code__.co_filename
+    while tb is not None and tb.tb_frame.f_code.co_filename == here:
         tb = tb.tb_next
     e.__traceback__ = tb  # what the default excepthook prints
     sys.excepthook(type(e), e, tb)
@@ -167,12 +169,10 @@ def test(wd: str, entry: str, req_fd: int, resp_fd: int, done_fd: int) -> None:
 def main(mode: str, wd: str, hook: str, entry: str, fds: str) -> None:
     _clear_environment()
     builtins.exit = builtins.quit = sys.exit  # site.py (not loaded: -S) would add these
-    here = __file__.rsplit("/", 1)[0]
-    sys.path.insert(0, here)
     if mode != "run":
         import plain  # noqa: F401  (imported before the hook forbids re-imports)
     import guard
-    del sys.path[0]
+    del sys.path[0]  # the child modules' folder: only the standard library stays importable
     if hook == "1":
         guard.install(wd)
     fds = [int(fd) for fd in fds.split(",") if fd]
@@ -189,6 +189,3 @@ def main(mode: str, wd: str, hook: str, entry: str, fds: str) -> None:
         except BaseException as e:
             _report_and_exit(e)
 
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])
