@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from gradscope.trainers import train
 from gradscope.trainers.config import TrainConfig
 from gradscope.trainers.sandbox import spawn
 
-from .sandbox_util import IS_ROOT, kernel_only, parent_unharmed  # noqa: F401
+from .sandbox_util import IS_ROOT, parent_unharmed  # noqa: F401
 
 NOBODY = 65534
 PACKAGE = Path(spawn.__file__).parent
@@ -63,10 +62,14 @@ print(json.dumps({"uid": os.getuid(), "cases": out}))
 '''
 
 
-def _runs_as(py: str, uid: int | None) -> bool:
+#: How the test starts a process as the ordinary user: as root, drop to nobody; else as itself.
+AS_USER = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if IS_ROOT else {}
+
+
+def _runs(py: str) -> bool:
     try:
-        return subprocess.run([py, "-I", "-c", "import sys"], user=uid, group=uid, extra_groups=[],
-                              cwd="/", capture_output=True, timeout=30).returncode == 0
+        return subprocess.run([py, "-I", "-c", "import sys"], cwd="/", capture_output=True, timeout=30,
+                              **AS_USER).returncode == 0
     except OSError:
         return False
 
@@ -75,8 +78,7 @@ def _runs_as(py: str, uid: int | None) -> bool:
 def user():
     """(uid, run(job) -> driver output): the driver as an ordinary user."""
     uid = NOBODY if IS_ROOT else os.getuid()
-    drop = NOBODY if IS_ROOT else None
-    py = next((p for p in (spawn.layout().exe, "/usr/bin/python3") if _runs_as(p, drop)), None)
+    py = next((p for p in (spawn.layout().exe, "/usr/bin/python3") if _runs(p)), None)
     if py is None:
         pytest.skip("no Python interpreter that uid 65534 may run (the tests' own is in a private folder)")
     home = tempfile.mkdtemp(prefix="gradscope-sbx-test-")
@@ -89,8 +91,8 @@ def user():
 
     def run(job: dict) -> dict:
         p = subprocess.run([py, "-I", "-B", "-c", DRIVER, home], input=json.dumps(job), text=True,
-                           capture_output=True, user=drop, group=drop, extra_groups=[] if IS_ROOT else None,
-                           cwd=home, env={"PATH": "/usr/bin:/bin"}, timeout=300)
+                           capture_output=True, cwd=home, env={"PATH": "/usr/bin:/bin"}, timeout=300,
+                           **AS_USER)
         assert p.returncode == 0, p.stderr
         return json.loads(p.stdout)
 
@@ -117,7 +119,7 @@ def targets(user):
     for path in (folder, os.path.join(folder, "secret"), os.path.join(folder, "sock")):
         os.chown(path, uid, uid)
     os.chmod(os.path.join(folder, "secret"), 0o600)
-    victim = subprocess.Popen(["sleep", "600"], user=NOBODY if IS_ROOT else None)
+    victim = subprocess.Popen(["sleep", "600"], **AS_USER)
     yield {"token": token, "folder": folder, "secret": secret, "port": tcp.getsockname()[1],
            "victim": victim, "listeners": (tcp, unix)}
     victim.kill()
