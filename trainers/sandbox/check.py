@@ -53,7 +53,7 @@ def split_verdict(tests: Raw, candidate: Raw, done: bytes, limits: Limits) -> tu
         return "pass", "the tests passed"
     if tests.returncode == CANDIDATE_FAILED:
         why = last_line(tests).removeprefix("sandbox: ")
-        if candidate.flooded or (candidate.returncode is not None and not candidate.stopped):
+        if candidate.flooded or candidate.returncode is not None:
             v, reason = verdict(candidate, limits)  # the candidate ended by itself
             if v != "pass":
                 return v, reason

@@ -4,7 +4,8 @@ One loop over ``selectors`` serves one or several programs (``check_program`` ru
 stdout and stderr, their launchers' status pipes, and a pidfd per launcher for its exit, so there
 is no polling. Output is kept up to ``max_output_bytes`` per stream and read on (and dropped) past
 it; past ``flood_bytes`` the program is killed. At the wall deadline every program still running is
-killed; when the *primary* program ends, the others are stopped.
+killed; when the *primary* program ends, the others are stopped unless they end by themselves
+within a second (a candidate ends as soon as the tests close its request pipe).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .spawn import Proc
 
 _TAIL_BYTES = 4096  # kept from the end of stderr to find the exception line
 _DRAIN_S = 1.0  # after a launcher exits, how long its pipes may still deliver
+_GRACE_S = 1.0  # after the primary program ends, how long the others may take to end by themselves
 
 
 @dataclass
@@ -33,7 +35,6 @@ class Raw:
     cpu_s: float
     timed_out: bool  # killed at the wall deadline
     flooded: str | None  # killed for output past the flood limit: the stream's name
-    stopped: bool  # killed because the primary program had ended
     layers: list[str] = field(default_factory=list)  # what the launcher set up (READY line)
 
 
@@ -87,10 +88,14 @@ def _loop(watches: list[_Watch], sel, limits: Limits, primary: int) -> None:
         if now >= deadline:
             for w in watches:
                 w.kill("timeout")
-        if watches[primary].ended is not None:
-            for w in watches:
-                w.kill("stopped")
         waits = [deadline - now]
+        primary_ended = watches[primary].ended
+        if primary_ended is not None:
+            if now >= primary_ended + _GRACE_S:
+                for w in watches:
+                    w.kill("stopped")
+            else:
+                waits.append(primary_ended + _GRACE_S - now)
         for key in list(sel.get_map().values()):
             i, _ = key.data
             ended = watches[i].ended
@@ -160,5 +165,5 @@ def _raw(w: _Watch) -> Raw:
     end = w.ended if w.ended is not None else time.monotonic()
     return Raw(returncode=returncode, stdout=bytes(w.out["stdout"]), stderr=bytes(w.out["stderr"]),
                stderr_tail=bytes(w.tail), wall_s=end - w.proc.t0, cpu_s=cpu,
-               timed_out=w.killed == "timeout", flooded=w.flooded, stopped=w.killed == "stopped",
+               timed_out=w.killed == "timeout", flooded=w.flooded,
                layers=layers)
