@@ -23,7 +23,9 @@ leaves it, to rounding):
 ``backpack``    BackPACK ``BatchGrad`` on the trained Linear layers (``grad_batch``), summed by agent.
 
 Time: every method on its own copy of the model, interleaved (order rotated every repetition) after
-warm-up; medians, and ratios to ``plain``. Peak memory: each method in a fresh process (K = 8): the rise
+warm-up; medians of the process's CPU time per step (``time.process_time``: with one torch thread
+it is the compute time, and other jobs on a shared machine do not add their waits to it), and
+ratios to ``plain``. Peak memory: each method in a fresh process (K = 8): the rise
 of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) over two steps,
 and its ratio to plain's. One torch thread by default (the development machine is shared; see
 bench_probe.py). The Grams of all methods are compared with split's.
@@ -61,8 +63,8 @@ from torch.func import functional_call, grad, vmap  # noqa: E402
 from gradscope.probe import Probe  # noqa: E402
 
 CONFIGS = {
-    "lora-lm": dict(B=32, T=64, warmup=2, reps=5),
-    "mlp": dict(B=64, T=16, warmup=2, reps=9),
+    "lora-lm": dict(B=32, T=64, warmup=1, reps=5),
+    "mlp": dict(B=64, T=16, warmup=1, reps=7),
 }
 METHODS = {
     "lora-lm": ["plain", "hooks", "split", "naive", "microbatch", "func", "opacus", "backpack"],
@@ -247,10 +249,10 @@ def time_methods(name: str, K: int, methods: list[str]) -> dict[str, Any]:
         for rep in range(cfg["warmup"] + cfg["reps"]):
             order = methods[rep % len(methods):] + methods[: rep % len(methods)]
             for method in order:
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 gram = runner.step(method)
                 if rep >= cfg["warmup"]:
-                    times[method].append(time.perf_counter() - t0)
+                    times[method].append(time.process_time() - t0)
                 if gram is not None:
                     grams[method] = gram
     runner.close()
