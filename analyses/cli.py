@@ -11,6 +11,7 @@ from gradscope.analyses.findings import Report
 from gradscope.analyses.report import KINDS, AnalysisConfig, analyze_series, to_json, to_markdown, to_text
 from gradscope.analyses.series import RunSeries
 from gradscope.errors import ConfigError
+from gradscope.ranges import COUNT, Range
 from gradscope.runfile import open_run
 
 
@@ -55,13 +56,19 @@ def _report(path: str, cfg: AnalysisConfig) -> Report:
     return analyze_series(series, cfg, closed=closed)
 
 
+#: Allowed values of the detector thresholds (coherence AF/n lies in [0, 1]; a signed contribution
+#: share can be any finite number).
+UNIT, NONNEG, SHARE = Range(0, 1), Range(0), Range()
+
+
 def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     a, c, k = AmplificationConfig(), CaptureConfig(), CliffConfig()
-    p.add_argument("--coherence", type=float, default=a.coherence, help="amplification: coherence threshold")
-    p.add_argument("--norm-ratio", type=float, default=a.norm_ratio, help="amplification: norm vs other roles")
-    p.add_argument("--share", type=float, default=c.share, help="capture: contribution-share threshold")
-    p.add_argument("--window", type=int, default=a.window, help="steps per detection window")
-    p.add_argument("--fraction", type=float, default=a.fraction, help="share of a window above threshold")
-    p.add_argument("--min-drop", type=float, default=k.min_drop, help="cliff: absolute accuracy drop")
-    p.add_argument("--min-rel-drop", type=float, default=k.min_rel_drop, help="cliff: relative drop")
-    p.add_argument("--within", type=int, default=k.within, help="cliff: evaluations from onset to threshold")
+    p.add_argument("--coherence", type=UNIT.arg, default=a.coherence, help="amplification: coherence threshold")
+    p.add_argument("--norm-ratio", type=NONNEG.arg, default=a.norm_ratio, help="amplification: norm vs other roles")
+    p.add_argument("--share", type=SHARE.arg, default=c.share, help="capture: contribution-share threshold")
+    p.add_argument("--window", type=COUNT.arg, default=a.window, help="steps per detection window")
+    p.add_argument("--fraction", type=Range(0, 1, lo_open=True).arg, default=a.fraction,
+                   help="share of a window above threshold")
+    p.add_argument("--min-drop", type=NONNEG.arg, default=k.min_drop, help="cliff: absolute accuracy drop")
+    p.add_argument("--min-rel-drop", type=UNIT.arg, default=k.min_rel_drop, help="cliff: relative drop")
+    p.add_argument("--within", type=COUNT.arg, default=k.within, help="cliff: evaluations from onset to threshold")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -26,10 +28,11 @@ from gradscope.errors import ConfigError
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter
+from gradscope.runfile.writer import check_overwrite
 from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
-from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.config import RANGES, TrainConfig
 from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
-from gradscope.trainers.grpo import STEP_SCALARS, GRPOUpdater
+from gradscope.trainers.grpo import GRPO_RANGES, STEP_SCALARS, GRPOUpdater
 from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
@@ -46,6 +49,9 @@ SOLVER_ROLES = ("voter", "generator", "worker")
 def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     """Every check that can fail on user input, before any model is built (errors exit 2).
     Returns the workflow class, the tasks and the alert rules."""
+    for settings, ranges in ((cfg, RANGES), (cfg.grpo, GRPO_RANGES)):  # numbers first: finite, in range
+        for name, allowed in ranges.items():
+            allowed.check(f"--{name.replace('_', '-')}", getattr(settings, name))
     if cfg.workflow not in WORKFLOWS:
         raise ConfigError(f"unknown workflow {cfg.workflow!r}; use one of {sorted(WORKFLOWS)}")
     workflow = WORKFLOWS[cfg.workflow]
@@ -55,26 +61,22 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
                     policy.adapters)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
-    for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.probe_sketch < 0:
-        raise ConfigError("--probe-sketch must be >= 0")
     world = world_size_from_env()
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
     check_model_path(cfg.model)
     out = Path(cfg.out)
-    if cfg.resume and not out.exists():
+    if cfg.resume and not os.path.lexists(out):
         raise ConfigError(f"--resume: {out} does not exist")
-    if not cfg.resume and out.exists() and not cfg.overwrite:
+    if not cfg.resume and os.path.lexists(out) and not cfg.overwrite:
         raise ConfigError(f"{out} already exists (pass --overwrite to replace it, or --resume)")
+    check_overwrite(out)  # --overwrite and --resume replace a run file, never a device, link or other file
     if not out.parent.is_dir():
         raise ConfigError(f"cannot write {out}: folder {out.parent} does not exist")
-    try:  # probe writability without touching an existing run file
-        probe_file = out.parent / f".{out.name}.writable"
-        probe_file.touch()
-        probe_file.unlink()
+    try:  # probe writability with a fresh file of our own (O_EXCL), never touching another
+        fd, probe_file = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".writable")
+        os.close(fd)
+        os.unlink(probe_file)
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
     n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
