@@ -30,13 +30,13 @@ class Range:
 
     def __str__(self) -> str:
         kind = "a whole number" if self.whole else "a finite number"
-        if self.lo is not None and self.hi is not None:
-            return (f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, "
-                    f"{self.hi:g}{')' if self.hi_open else ']'}")
-        if self.lo is not None:
-            return f"{kind} {'>' if self.lo_open else '>='} {self.lo:g}"
-        if self.hi is not None:
-            return f"{kind} {'<' if self.hi_open else '<='} {self.hi:g}"
+        lo, hi = (None if b is None else f"{b:d}" if self.whole else f"{b:g}" for b in (self.lo, self.hi))
+        if lo is not None and hi is not None:
+            return f"{kind} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        if lo is not None:
+            return f"{kind} {'>' if self.lo_open else '>='} {lo}"
+        if hi is not None:
+            return f"{kind} {'<' if self.hi_open else '<='} {hi}"
         return kind
 
     def accepts(self, value: Any) -> bool:
@@ -74,10 +74,10 @@ class Range:
 #: Figure resolution (dots per inch) of PNG output: print quality at least, and a bound that keeps a
 #: two-column figure's pixel buffer under ~0.5 GB.
 DPI = Range(200, 1200, whole=True)
-#: Seconds between looks at a live file, and seconds to wait (``watch --poll/--wait/--idle``): a day
-#: at most, which also keeps ``time.sleep`` within its range.
+#: Seconds between looks at a live file (``watch --poll``): a day at most, which also keeps
+#: ``time.sleep`` within its range; and seconds to wait (``--wait``, ``--idle``).
 POLL = Range(0, 86_400, lo_open=True)
-WAIT = Range(0, 86_400 * 365)
+WAIT = Range(0)
 #: Counts of steps, evaluations or records: at least 1; and whole numbers where 0 means "off" or "default".
 COUNT = Range(1, whole=True)
 WHOLE = Range(0, whole=True)

@@ -82,9 +82,16 @@ def read_timeout() -> float:
     return _env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
+class _Expired(BaseException):
+    """Raised by the timer of :func:`deadline`; never escapes it."""
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str) -> Iterator[None]:
     """Raise :class:`RunFileError` in the block once ``seconds`` have passed (0: no limit).
+
+    The handler raises a ``BaseException`` (turned into the RunFileError as it leaves the block), so
+    no ``except Exception`` on the way can swallow it.
 
     A real-time interval timer (SIGALRM), so it works only in the main thread (elsewhere the block
     runs unlimited). A timer armed before (e.g. a test runner's) is put back afterwards with the
@@ -102,7 +109,7 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
     def expire(signum: int, frame: object) -> None:
         nonlocal outer_delay
         elapsed = time.monotonic() - start
-        if elapsed < seconds:  # the outer timer fell due first: it behaves as without us
+        if outer_delay and elapsed < seconds:  # the outer timer fell due first: it behaves as without us
             outer_delay = 0.0
             signal.setitimer(signal.ITIMER_REAL, seconds - elapsed)
             if callable(outer_handler):
@@ -111,13 +118,15 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
                 signal.signal(signal.SIGALRM, signal.SIG_DFL)
                 signal.raise_signal(signal.SIGALRM)
             return
-        raise RunFileError(f"{what}: gave up after {seconds:g} s (set {TIMEOUT_ENV} to allow longer, 0 for "
-                           f"no limit)")
+        raise _Expired
 
     signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_delay) if outer_delay else seconds)
     try:
         yield
+    except _Expired:
+        raise RunFileError(f"{what}: gave up after {seconds:g} s (set {TIMEOUT_ENV} to allow longer, 0 for "
+                           f"no limit)") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, outer_handler)

@@ -206,7 +206,7 @@ def structural(fifo: str, other: str) -> dict[str, Callable[[h5py.File], None]]:
         "group_sizes_text": _set_attr("group_sizes", '["x", "y"]'),
         "group_sizes_huge": _set_attr("group_sizes", "[1e400, 2]"),
         "scalar_names_many": _set_attr("scalar_names", json.dumps([f"s{i}" for i in range(5000)])),
-        "policies_many": _set_attr("policies", json.dumps([f"p{i}" for i in range(40_000)])),
+        "policies_many": _set_attr("policies", json.dumps([f"p{i}" for i in range(30_000)])),
         "no_agents": _del("agents"),
         "no_steps_group": _del("steps"),
         "no_gram": _del("steps/gram"),
