@@ -72,7 +72,7 @@ class Range:
 
 
 #: Figure resolution (dots per inch) of PNG output: print quality at least, and a bound that keeps a
-#: two-column figure's pixel buffer under ~0.5 GB.
+#: two-column figure's pixel buffer to a few hundred MB (``--dpi 100000`` was a ``std::bad_alloc``).
 DPI = Range(200, 1200, whole=True)
 #: Seconds between looks at a live file (``watch --poll``): a day at most, which also keeps
 #: ``time.sleep`` within its range; and seconds to wait (``--wait``, ``--idle``).
