@@ -10,13 +10,14 @@ import sys
 from collections.abc import Sequence
 
 from gradscope.errors import GradscopeError
-from gradscope.ranges import COUNT, DPI, POLL, WAIT
+from gradscope.ranges import COUNT, DPI, POLL, WAIT, WHOLE
 
 EXIT_USAGE = 2
 #: Commands that read run files: a damaged file's inf/NaN values print as values, without numpy's
-#: floating-point warnings; all but ``watch`` (which follows a live run for as long as it lasts) are
-#: bounded in time as a whole ($GRADSCOPE_READ_TIMEOUT, docs/cli.md).
-READ_COMMANDS = ("info", "analyze", "compare", "plot", "table", "watch")
+#: floating-point warnings; all but ``UNTIMED`` are bounded in time as a whole ($GRADSCOPE_READ_TIMEOUT,
+#: docs/cli.md): ``watch`` follows a live run for as long as it lasts, ``export`` waits on a dashboard.
+READ_COMMANDS = ("info", "analyze", "compare", "plot", "table", "watch", "export")
+UNTIMED = ("watch", "export")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -39,7 +40,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from gradscope.figures.demo import demo_figures
     from gradscope.trainers.demo import run_demo
 
-    paths = [str(p) for p in run_demo(args.out, steps=args.steps)]
+    paths = [str(p) for p in run_demo(args.out, steps=args.steps, threads=args.threads)]
     print("\n" + analyze_runs(paths))
     print("\nfigures:")
     for figure in demo_figures(paths, args.out):
@@ -83,6 +84,18 @@ def _cmd_table(args: argparse.Namespace) -> int:
     return table_main(args)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from gradscope.analyses.cli import load  # the findings go along with the statistics
+    from gradscope.analyses.report import analyze_series
+    from gradscope.integrations.export import export_run
+
+    series, closed = load(args.run)
+    findings = [f"[{f.severity}] {f.kind} (steps {f.start}-{f.end}): {f.summary}"
+                for f in analyze_series(series, closed=closed).findings]
+    print(export_run(args.run, args.to, args.dest, findings))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="gradscope", description="Gradient-dynamics diagnostics for multi-agent RL.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
@@ -94,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: train Voting/math with IP and SP on the testbed")
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
     p.add_argument("--steps", type=COUNT.arg, default=100, help="training steps per run")
+    p.add_argument("--threads", type=WHOLE.arg, default=0,
+                   help="torch intra-op threads (default 0: one, the fastest for the testbed on a shared machine)")
     p.set_defaults(func=_cmd_demo)
 
     from gradscope.analyses.cli import add_threshold_arguments  # numpy/pandas only, no torch
@@ -151,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write to this file instead of standard output")
     p.set_defaults(func=_cmd_table)
 
+    p = sub.add_parser("export", help="send a run's statistics, alerts and findings to TensorBoard, W&B or MLflow",
+                       description="Write a run file into a dashboard under TRL-style names (gradscope/norm/<role>, "
+                                   "...): W&B in offline mode, MLflow into a local store (docs/integrations.md).")
+    p.add_argument("run", help="run file (.h5)")
+    p.add_argument("--to", required=True, choices=("tensorboard", "wandb", "mlflow"), help="the dashboard")
+    p.add_argument("dest", help="tensorboard: log directory; wandb: folder for the offline run; mlflow: folder "
+                                "(SQLite store DEST/mlflow.db) or a tracking URI")
+    p.set_defaults(func=_cmd_export)
+
     p = sub.add_parser("train", help="train a workflow with GRPO, probed (see gradscope train --help)",
                        add_help=False, prefix_chars="\0")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -177,7 +201,7 @@ def _reading(args: argparse.Namespace) -> int:
 
     from gradscope.runfile.limits import deadline, read_timeout
 
-    seconds = 0.0 if args.command == "watch" else read_timeout()
+    seconds = 0.0 if args.command in UNTIMED else read_timeout()
     with deadline(seconds, "reading run files"), np.errstate(all="ignore"):
         return args.func(args)
 
