@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg (default png)")
     p.add_argument("--size", choices=("one", "two"), default="two", help="paper width: one column or two (default)")
     p.add_argument("--dpi", type=DPI.arg, default=300, help=f"PNG resolution, {DPI.lo:g} to {DPI.hi:g} (default 300)")
-    p.add_argument("--smooth", type=COUNT.arg, default=1, help="rolling mean over N steps for gradient curves (default 1)")
+    p.add_argument("--smooth", type=COUNT.arg, default=1,
+                   help="rolling mean over N steps for gradient curves (default 1)")
     p.add_argument("--steps", default=None, help="alignment: cosine matrices at these steps, e.g. 10,50,100")
     p.add_argument("--window", type=COUNT.arg, default=1, help="alignment: average over this many steps (default 1)")
     p.add_argument("--metric", choices=("final", "peak"), default="final",

@@ -43,7 +43,7 @@ class Range:
         """Whether ``value`` (a Python or numpy number; never a bool) is allowed."""
         if isinstance(value, bool) or not isinstance(value, numbers.Integral if self.whole else numbers.Real):
             return False
-        if not isinstance(value, numbers.Integral) and not math.isfinite(value):  # ints are finite (and may not fit a float)
+        if not isinstance(value, numbers.Integral) and not math.isfinite(value):  # ints: finite, may not fit a float
             return False
         if self.lo is not None and (value < self.lo or self.lo_open and value == self.lo):
             return False

@@ -49,8 +49,8 @@ def _regular_size(path: str) -> int:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        dangling = os.path.islink(path)
-        raise RunFileError(f"{path}: no such file" + (" (a symbolic link to a missing file)" if dangling else "")) from None
+        dangling = " (a symbolic link to a missing file)" if os.path.islink(path) else ""
+        raise RunFileError(f"{path}: no such file{dangling}") from None
     except OSError as exc:
         raise RunFileError(f"{path}: cannot access ({exc.strerror or _one_line(exc)})") from None
     kind = kind_of(st.st_mode)
@@ -164,19 +164,15 @@ class RunReader:
         return out
 
     def _check_header(self, attrs: dict[str, Any]) -> None:
-        fmt = attrs.get("format")
-        if isinstance(fmt, bytes):
-            fmt = fmt.decode("utf-8", "replace")
+        fmt = _text(attrs.get("format"))
         if fmt is None:
             raise RunFileError(f"{self.path}: not a gradscope run file (no 'format' attribute)")
-        if fmt != schema.FORMAT:
+        if not isinstance(fmt, str) or fmt != schema.FORMAT:
             raise RunFileError(f"{self.path}: not a gradscope run file (format is {fmt!r}, "
                                f"expected {schema.FORMAT!r})")
-        version = attrs.get("schema_version")
+        version = _text(attrs.get("schema_version"))
         if version is None:
             raise RunFileError(f"{self.path}: missing the 'schema_version' attribute")
-        if isinstance(version, bytes):
-            version = version.decode("utf-8", "replace")
         try:
             major, minor = schema.parse_version(str(version))
         except ValueError:
@@ -257,14 +253,15 @@ class RunReader:
 
         for name, (_, dtype) in fields.items():
             ds = self._step_ds[name]
-            if ds.dtype.kind not in _KINDS[dtype.kind]:
+            if ds.dtype.kind not in _KINDS.get(dtype.kind, dtype.kind):
                 raise bad(f"{schema.STEPS}/{name}", ds.dtype, "integers" if dtype.kind == "i" else "numbers")
             limits.check_read(self.path, f"one record of /{schema.STEPS}/{name}", _row_bytes(ds))
         for name, (dtype, _) in schema.TABLES.items():
             ds = self._table_ds[name]
             got = ds.dtype
-            if ds.ndim != 1 or got.names is None or any(
-                    f not in got.names or got[f].kind not in _KINDS[dtype[f].kind] for f in dtype.names):
+            fields_ok = got.names is not None and all(
+                f in got.names and got[f].kind in _KINDS.get(dtype[f].kind, dtype[f].kind) for f in dtype.names)
+            if ds.ndim != 1 or not fields_ok:
                 raise bad(name, got, f"one-dimensional rows of ({', '.join(dtype.names)})")
         if self._committed_ds.dtype.kind not in "iu":
             raise bad(schema.COMMITTED, self._committed_ds.dtype, "integers")
@@ -522,6 +519,11 @@ def _row_bytes(ds: h5py.Dataset) -> int:
     return math.prod(ds.shape[1:]) * ds.dtype.itemsize
 
 
+def _text(value: Any) -> Any:
+    """A string attribute as ``str`` (h5py may return bytes); anything else as it is."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
 def _decode(raw: np.ndarray) -> np.ndarray:
     """Fixed-width UTF-8 bytes -> object array of str (a cut-off character becomes U+FFFD)."""
     return np.array([b.decode("utf-8", "replace") for b in raw], dtype=object)
@@ -535,7 +537,8 @@ def is_run_file(path: str | os.PathLike[str]) -> bool:
             fmt = f.attrs.get("format")
     except (RunFileError, *_H5_ERRORS):
         return False
-    return (fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else fmt) == schema.FORMAT
+    fmt = _text(fmt)
+    return isinstance(fmt, str) and fmt == schema.FORMAT
 
 
 def open_run(path: str | os.PathLike[str]) -> RunReader:

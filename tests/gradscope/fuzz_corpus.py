@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 
 from gradscope.runfile import RunMeta, RunWriter
+from tests.gradscope.test_runfile import _del, _set_attr
 
 AGENTS = ["voter0", "voter1", "voter2", "aggregator"]
 ROLES = ["voter", "voter", "voter", "aggregator"]
@@ -56,21 +57,6 @@ def write_base(path: Path, seed: int = 0, *, close: bool = True) -> Path:
 
 
 # --- structural damage, applied with h5py to a copy of the base file -------------------------------
-
-def _set_attr(name: str, value: object) -> Callable[[h5py.File], None]:
-    def fn(f: h5py.File) -> None:
-        f.attrs[name] = value
-    return fn
-
-
-def _del(name: str) -> Callable[[h5py.File], None]:
-    def fn(f: h5py.File) -> None:
-        if name in f:
-            del f[name]
-        else:
-            del f.attrs[name]
-    return fn
-
 
 def _replace(name: str, data: object, **kw: object) -> Callable[[h5py.File], None]:
     def fn(f: h5py.File) -> None:
