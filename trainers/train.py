@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from gradscope.alerts import Alert, Monitor, Rule, check_selectors
 from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError
+from gradscope.paths import kind_of
 from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
@@ -81,6 +82,11 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
         os.unlink(probe_file)
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    if cfg.task_file:  # a FIFO or a device would block or never end; a missing file: the loader says so
+        with suppress(OSError):
+            kind = kind_of(os.stat(cfg.task_file).st_mode)
+            if kind is not None:
+                raise ConfigError(f"--task-file {cfg.task_file}: is {kind}, not a file")
     n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
     tasks = load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
                        level=cfg.task_level, path=cfg.task_file)

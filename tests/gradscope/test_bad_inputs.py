@@ -122,6 +122,12 @@ def test_train_flags_refused_before_any_model(tmp_path: Path, no_model: None, fl
     assert not list(tmp_path.iterdir())
 
 
+def test_train_refuses_a_task_file_that_would_block(tmp_path: Path, no_model: None) -> None:
+    fifo = tmp_path / "tasks.jsonl"
+    os.mkfifo(fifo)
+    refused(["train", "--task-file", fifo, "--out", tmp_path / "run.h5"], "is a named pipe (FIFO), not a file")
+
+
 def test_every_numeric_train_field_has_a_range_that_accepts_its_default() -> None:
     from gradscope.trainers.config import RANGES, TrainConfig
     from gradscope.trainers.grpo import GRPO_RANGES, GRPOConfig
