@@ -34,12 +34,13 @@ from gradscope.runfile.writer import check_overwrite
 from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
 from gradscope.trainers.config import RANGES, TrainConfig
 from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
-from gradscope.trainers.grpo import GRPO_RANGES, STEP_SCALARS, GRPOUpdater
+from gradscope.trainers.grpo import STEP_SCALARS, GRPOUpdater
+from gradscope.trainers.grpo_config import GRPO_RANGES
 from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
-from gradscope.trainers.tasks import answers_match, load_tasks
+from gradscope.trainers.tasks import check_answer, load_tasks
 from gradscope.trainers.tasks.base import Task, TaskSet
 from gradscope.trainers.workflows import WORKFLOWS, Templates
 from gradscope.trainers.workflows.base import Episode, Workflow
@@ -282,4 +283,4 @@ def _episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, floa
 
 def _math_correct(task: Task, text: str) -> bool:
     answer, _ = solver_answer(task, text)
-    return answer is not None and answers_match(answer, task.answer)
+    return answer is not None and check_answer(task, answer)

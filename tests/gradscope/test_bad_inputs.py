@@ -130,7 +130,7 @@ def test_train_refuses_a_task_file_that_would_block(tmp_path: Path, no_model: No
 
 def test_every_numeric_train_field_has_a_range_that_accepts_its_default() -> None:
     from gradscope.trainers.config import RANGES, TrainConfig
-    from gradscope.trainers.grpo import GRPO_RANGES, GRPOConfig
+    from gradscope.trainers.grpo_config import GRPO_RANGES, GRPOConfig
 
     for cls, ranges in ((TrainConfig, RANGES), (GRPOConfig, GRPO_RANGES)):
         numeric = {f.name for f in dataclasses.fields(cls)
