@@ -50,6 +50,8 @@ class TrainConfig:
     dist_timeout: float = flag(300.0, "under torchrun: seconds a collective may wait for a silent rank")
     threads: int = flag(0, "torch intra-op threads per process (0: 1 for the testbed on CPU, torch's default "
                            "otherwise)")
+    unsafe_sandbox: bool = flag(False, "code tasks: run generated programs even where the sandbox lacks a layer "
+                                       "(user namespaces, seccomp); docs/sandbox.md")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def resolved(self) -> "TrainConfig":

@@ -40,6 +40,7 @@ from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_pat
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
+from gradscope.trainers.sandbox import unavailable_reason
 from gradscope.trainers.tasks import check_answer, load_tasks
 from gradscope.trainers.tasks.base import Task, TaskSet
 from gradscope.trainers.workflows import WORKFLOWS, Templates
@@ -91,6 +92,11 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
     tasks = load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
                        level=cfg.task_level, path=cfg.task_file)
+    if any(t.kind == "code" for t in tasks.train[:1] + tasks.held_out[:1]) and not cfg.unsafe_sandbox:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ConfigError(f"code tasks run generated programs, and {reason}; "
+                              "pass --unsafe-sandbox to run them anyway (docs/sandbox.md)")
     return workflow, tasks, rules
 
 
@@ -129,7 +135,7 @@ class Trainer:
         self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed, dist)
         self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.grpo.temperature)
-        self.scorer = Scorer()
+        self.scorer = Scorer(unsafe=cfg.unsafe_sandbox)
         self.task_rng = random.Random(cfg.seed)
 
     def meta(self) -> RunMeta:
