@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradscope.ranges import COUNT, WHOLE, Range
 from gradscope.trainers.flags import flag
-from gradscope.trainers.per_role import role_spec
+from gradscope.trainers.per_role import COEF, role_spec
+
+#: Fields that take a number for every role or ``role=number,...`` (``per_role.role_values``).
+PER_ROLE = ("kl_coef", "coherence_reg")
 
 #: ``--role-balance`` values (grpo.py, "Mitigations").
 ROLE_BALANCE = ("none", "steps", "update")
@@ -40,3 +44,13 @@ class GRPOConfig:
                                    "(0: tasks_per_step x group_size)")
     temperature: float = flag(0.7, "sampling temperature (log-probs use the same)")
     shuffle: bool = flag(True, "shuffle a policy's samples before splitting them into mini-batches")
+
+
+#: Allowed values of every numeric GRPOConfig field (checked with TrainConfig's, ``train.validate``); the
+#: per-role fields (``PER_ROLE``: a number or ``role=number,...``) are checked role by role.
+GRPO_RANGES: dict[str, Range] = {
+    "group_size": COUNT, "warmup_steps": WHOLE, "mini_batch_size": WHOLE,
+    "kl_coef": COEF, "coherence_reg": COEF, "coherence_beta": Range(0, 1, hi_open=True),
+    "clip_low": Range(0, 1), "clip_high": Range(0), "lr": Range(0),
+    "weight_decay": Range(0), "grad_clip": Range(0), "temperature": Range(0, lo_open=True),
+}

@@ -10,6 +10,10 @@ import argparse
 from collections.abc import Sequence
 
 from gradscope.errors import ConfigError
+from gradscope.ranges import Range
+
+#: Allowed value of every role's coefficient (also the flags' entry in ``GRPO_RANGES``).
+COEF = Range(0)
 
 
 def _parse(spec: float | str) -> float | dict[str, float]:
@@ -47,7 +51,7 @@ def role_spec(text: str) -> float | str:
 
 def role_values(spec: float | str, roles: Sequence[str], flag: str) -> dict[str, float]:
     """role → coefficient for every role (0 for roles a map leaves out); ConfigError on an unknown
-    role or a negative value."""
+    role or a value that is negative or not finite."""
     parsed = _parse(spec)
     if isinstance(parsed, float):
         values = {r: parsed for r in roles}
@@ -56,7 +60,6 @@ def role_values(spec: float | str, roles: Sequence[str], flag: str) -> dict[str,
         if unknown:
             raise ConfigError(f"--{flag} names unknown role(s) {unknown}; this workflow's roles are {list(roles)}")
         values = {r: parsed.get(r, 0.0) for r in roles}
-    negative = {r: v for r, v in values.items() if v < 0}
-    if negative:
-        raise ConfigError(f"--{flag} must be >= 0, got {negative}")
+    for role, value in values.items():
+        COEF.check(f"--{flag}" if isinstance(parsed, float) else f"--{flag} {role}", value)
     return values

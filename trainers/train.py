@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -23,20 +25,23 @@ from gradscope.alerts import Alert, Monitor, Rule, check_selectors
 from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError
+from gradscope.paths import kind_of
 from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter
+from gradscope.runfile.writer import check_overwrite
 from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
-from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.config import RANGES, TrainConfig
 from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
 from gradscope.trainers.grpo import STEP_SCALARS, GRPOUpdater
-from gradscope.trainers.grpo_config import ROLE_BALANCE
+from gradscope.trainers.grpo_config import GRPO_RANGES, PER_ROLE, ROLE_BALANCE
 from gradscope.trainers.models import DTYPES, LoraSpec, attach_adapters, check_model_path, load_base
 from gradscope.trainers.per_role import role_values
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
+from gradscope.trainers.sandbox import unavailable_reason
 from gradscope.trainers.tasks import check_answer, load_tasks
 from gradscope.trainers.tasks.base import Task, TaskSet
 from gradscope.trainers.testbed.scales import SCALES
@@ -50,6 +55,11 @@ SOLVER_ROLES = ("voter", "generator", "worker")
 def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     """Every check that can fail on user input, before any model is built (errors exit 2).
     Returns the workflow class, the tasks and the alert rules."""
+    for settings, ranges in ((cfg, RANGES), (cfg.grpo, GRPO_RANGES)):  # numbers first: finite, in range
+        for name, allowed in ranges.items():
+            if settings is cfg.grpo and name in PER_ROLE:
+                continue  # checked role by role once the workflow's roles are known
+            allowed.check(f"--{name.replace('_', '-')}", getattr(settings, name))
     if cfg.workflow not in WORKFLOWS:
         raise ConfigError(f"unknown workflow {cfg.workflow!r}; use one of {sorted(WORKFLOWS)}")
     workflow = WORKFLOWS[cfg.workflow]
@@ -61,19 +71,10 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     parse_sinks(cfg.log_to)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
-    for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.probe_sketch < 0:
-        raise ConfigError("--probe-sketch must be >= 0")
-    if cfg.threads < 0:
-        raise ConfigError("--threads must be >= 0 (0: automatic)")
-    for name in ("kl_coef", "coherence_reg"):
+    for name in PER_ROLE:
         role_values(getattr(cfg.grpo, name), roles, name.replace("_", "-"))
     if cfg.grpo.role_balance not in ROLE_BALANCE:
         raise ConfigError(f"unknown --role-balance {cfg.grpo.role_balance!r}; use one of {', '.join(ROLE_BALANCE)}")
-    if not 0 <= cfg.grpo.coherence_beta < 1:
-        raise ConfigError("--coherence-beta must be in [0, 1)")
     world = world_size_from_env()
     if world > 1 and any(role_values(cfg.grpo.coherence_reg, roles, "coherence-reg").values()):
         raise ConfigError("--coherence-reg is not supported under torchrun (it needs each role's global gradient)")
@@ -85,21 +86,32 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     if cfg.scale not in SCALES:
         raise ConfigError(f"unknown --scale {cfg.scale!r}; use one of {', '.join(SCALES)}")
     out = Path(cfg.out)
-    if cfg.resume and not out.exists():
+    if cfg.resume and not os.path.lexists(out):
         raise ConfigError(f"--resume: {out} does not exist")
-    if not cfg.resume and out.exists() and not cfg.overwrite:
+    if not cfg.resume and os.path.lexists(out) and not cfg.overwrite:
         raise ConfigError(f"{out} already exists (pass --overwrite to replace it, or --resume)")
+    check_overwrite(out)  # --overwrite and --resume replace a run file, never a device, link or other file
     if not out.parent.is_dir():
         raise ConfigError(f"cannot write {out}: folder {out.parent} does not exist")
-    try:  # probe writability without touching an existing run file
-        probe_file = out.parent / f".{out.name}.writable"
-        probe_file.touch()
-        probe_file.unlink()
+    try:  # probe writability with a fresh file of our own (O_EXCL), never touching another
+        fd, probe_file = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".writable")
+        os.close(fd)
+        os.unlink(probe_file)
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    if cfg.task_file:  # a FIFO or a device would block or never end; a missing file: the loader says so
+        with suppress(OSError):
+            kind = kind_of(os.stat(cfg.task_file).st_mode)
+            if kind is not None:
+                raise ConfigError(f"--task-file {cfg.task_file}: is {kind}, not a file")
     n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
     tasks = load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
                        level=cfg.task_level, path=cfg.task_file)
+    if any(t.kind == "code" for t in tasks.train[:1] + tasks.held_out[:1]) and not cfg.unsafe_sandbox:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ConfigError(f"code tasks run generated programs, and {reason}; "
+                              "pass --unsafe-sandbox to run them anyway (docs/sandbox.md)")
     return workflow, tasks, rules
 
 
@@ -138,7 +150,7 @@ class Trainer:
         self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed, dist)
         self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.grpo.temperature)
-        self.scorer = Scorer()
+        self.scorer = Scorer(unsafe=cfg.unsafe_sandbox)
         self.task_rng = random.Random(cfg.seed)
 
     def meta(self) -> RunMeta:
@@ -247,7 +259,10 @@ class Trainer:
         logged, metrics = self.updater.update(step, episodes, cfg.grpo.mini_batch_size, probed)
         for o in logged:
             writer.log_step(step, o.result.gram, o.result.tokens, policy=o.policy, scalars=o.scalars,
-                            group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None)
+                            group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None,
+                            method=o.result.method)
+            for warning in o.result.warnings:  # a probe fallback or a failed self-check, with its reason
+                writer.log_event(step, "probe", warning, severity="warning")
         metrics.update(_episode_metrics(self._everyone(episodes), prefix="train/"))
         metrics["time/rollout"], metrics["time/update"] = t1 - t0, time.perf_counter() - t1
         writer.log_metrics(step, metrics)

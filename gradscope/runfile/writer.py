@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -27,8 +28,9 @@ import numpy as np
 from h5py import h5s
 
 from gradscope.errors import RunFileError
+from gradscope.paths import check_output
 from gradscope.runfile import schema
-from gradscope.runfile.reader import RunReader, open_run
+from gradscope.runfile.reader import RunReader, is_run_file, open_run
 from gradscope.runfile.schema import RunMeta
 
 #: Chunks of ~this many bytes: small enough that rewriting the open chunk at every flush is
@@ -101,10 +103,12 @@ class RunWriter:
         meta: the run's metadata; ``created``/``versions`` are filled where empty and
             ``flush_every`` is set from the argument.
         flush_every: records buffered in memory between flushes (>= 1).
-        overwrite: replace an existing file instead of refusing.
+        overwrite: replace an existing run file instead of refusing (only a regular file that
+            holds a gradscope run: see :func:`check_overwrite`).
 
     Raises:
-        RunFileError: the file exists (without ``overwrite``) or cannot be created.
+        RunFileError: the path exists (without ``overwrite``), is anything but a run file (with
+            it), or the file cannot be created.
         ValueError: inconsistent ``meta`` or ``flush_every``.
 
     Use it as a context manager (or call :meth:`close`): closing writes the buffered records and
@@ -122,10 +126,14 @@ class RunWriter:
         self.meta = dataclasses.replace(meta.with_defaults(), flush_every=flush_every)
         self.flush_every = flush_every
         self._f: h5py.File | None = None  # set only once the file is fully created
-        if os.path.isdir(self.path):
-            raise RunFileError(f"{self.path}: is a directory")
-        if os.path.exists(self.path) and not overwrite:
-            raise RunFileError(f"{self.path}: already exists (pass overwrite=True to replace it)")
+        if os.path.lexists(self.path):
+            if not overwrite:
+                raise RunFileError(f"{self.path}: already exists (pass overwrite=True to replace a run file)")
+            check_overwrite(self.path)
+            try:
+                os.remove(self.path)
+            except OSError as exc:
+                raise RunFileError(f"{self.path}: cannot replace the run file ({_one_line(exc)})") from None
 
         K, G, S = len(self.meta.agents), len(self.meta.groups), len(self.meta.scalar_names)
         self._fields = schema.step_fields(K, G, S)
@@ -135,8 +143,8 @@ class RunWriter:
         self._last_scalar_keys: tuple[str, ...] | None = None
         self._last_scalar_cols = np.zeros(0, dtype=np.intp)
 
-        try:
-            f = h5py.File(self.path, "w", libver="latest")
+        try:  # "x": O_CREAT|O_EXCL, so never through a link or into something that appeared meanwhile
+            f = h5py.File(self.path, "x", libver="latest")
         except OSError as exc:
             raise RunFileError(f"{self.path}: cannot create run file ({_one_line(exc)})") from None
         try:
@@ -145,7 +153,7 @@ class RunWriter:
             f.swmr_mode = True
         except BaseException as exc:
             f.close()
-            os.remove(self.path)  # a half-created file is of no use to anyone
+            os.remove(self.path)  # a half-created file (ours: "x" created it) is of no use to anyone
             if isinstance(exc, OSError):
                 raise RunFileError(f"{self.path}: cannot create run file ({_one_line(exc)})") from None
             raise
@@ -164,6 +172,7 @@ class RunWriter:
         self._b_time, self._b_gram, self._b_tokens = self._buf["time"], self._buf["gram"], self._buf["tokens"]
         self._b_scalars = self._buf["scalars"]
         self._b_group = self._buf.get("group_gram")
+        self._b_method = self._buf["method"]
 
     # --- creation ------------------------------------------------------------------------------
 
@@ -188,6 +197,7 @@ class RunWriter:
         if self._G:
             self._ds["group_gram"].attrs["groups"] = f.attrs["groups"]
         self._ds["time"].attrs["units"] = "s"
+        self._ds["method"].attrs["codes"] = json.dumps(list(schema.PROBE_METHODS))
         for name, (dtype, _) in schema.TABLES.items():
             ds = f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype,
                                   chunks=(_chunk_rows(dtype.itemsize),))
@@ -207,7 +217,7 @@ class RunWriter:
 
     def log_step(self, step: int, gram: Any, tokens: Any, *, opt_step: int | None = None,
                  policy: str | None = None, group_gram: Any = None,
-                 scalars: Mapping[str, float] | None = None) -> None:
+                 scalars: Mapping[str, float] | None = None, method: str | None = None) -> None:
         """Buffer one record (one optimizer step); flushes every ``flush_every`` records.
 
         Args:
@@ -218,9 +228,11 @@ class RunWriter:
             policy: name of the policy (parameter set) stepped, one of ``meta.policies``.
             group_gram: (G, K, K) per-group Grams; only when groups were declared (else NaN).
             scalars: values of declared scalar metrics; the others are NaN for this record.
+            method: what measured the Gram (``StepResult.method``), one of
+                :data:`~gradscope.runfile.schema.PROBE_METHODS`; None: not recorded.
 
         Raises:
-            ValueError: a shape, a policy or a scalar name does not match the metadata.
+            ValueError: a shape, a policy, a scalar name or a method does not match the metadata.
         """
         if self._closed:
             raise ValueError(f"{self.path}: log_step on a closed RunWriter")
@@ -253,6 +265,11 @@ class RunWriter:
             gg = _as_array(group_gram, np.float64, "group_gram")
             if gg.shape != (self._G, K, K):
                 raise ValueError(f"group_gram must have shape ({self._G}, {K}, {K}), got {gg.shape}")
+        code = schema.METHOD_UNRECORDED
+        if method is not None:
+            if method not in schema.PROBE_METHODS:
+                raise ValueError(f"unknown probe method {method!r}; known: {list(schema.PROBE_METHODS)}")
+            code = schema.PROBE_METHODS.index(method)
         cols: Any = None
         vals: Any = None
         if scalars:
@@ -266,6 +283,7 @@ class RunWriter:
         self._b_time[i] = time.perf_counter() - self._t0
         self._b_gram[i] = g
         self._b_tokens[i] = t
+        self._b_method[i] = code
         row = self._b_scalars[i]
         if cols is None or len(vals) < len(row):
             row.fill(np.nan)
@@ -458,7 +476,11 @@ class RunWriter:
         tmp = path + RESUME_SUFFIX
         w: RunWriter | None = None
         try:
+            with contextlib.suppress(FileNotFoundError):  # a killed resume's leftover (by its name ours)
+                check_output(tmp, error=RunFileError)
+                os.remove(tmp)
             with open_run(path) as old:
+                check_output(path, error=RunFileError)  # it will be replaced: a run file, never a link to one
                 version = schema.parse_version(old.schema_version)
                 if version > schema.parse_version(schema.SCHEMA_VERSION):
                     raise RunFileError(f"{path}: schema version {old.schema_version} is newer than this "
@@ -467,7 +489,7 @@ class RunWriter:
                 meta = old.meta
                 if flush_every is None:
                     flush_every = meta.flush_every if meta.flush_every >= 1 else 10
-                w = cls(tmp, meta, flush_every, overwrite=True)
+                w = cls(tmp, meta, flush_every)
                 message = w._copy_below(old, keep)
             w.log_event(keep, "resume", message)
             w.flush()
@@ -506,7 +528,7 @@ class RunWriter:
             if not m:
                 continue
             for name in self._fields:
-                rows = old.read(name, lo, hi)
+                rows = old.read(name, lo, hi) if old.has(name) else np.full(hi - lo, schema.METHOD_UNRECORDED)
                 if m < len(rows):
                     rows = rows[mask]
                 self._append[name].write(kept, rows)
@@ -565,6 +587,16 @@ class RunWriter:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.n_steps} records, {self._n_steps} committed"
         return f"RunWriter({self.path!r}, {state})"
+
+
+def check_overwrite(path: str | os.PathLike[str]) -> None:
+    """RunFileError unless ``path`` may be replaced by a new run file: it is absent, or a regular
+    file (not a symbolic link) that holds a gradscope run, finished, live or left by a killed
+    writer. A device, FIFO, folder, link or any other file is never replaced."""
+    path = os.fspath(path)
+    check_output(path, error=RunFileError)
+    if os.path.lexists(path) and not is_run_file(path):
+        raise RunFileError(f"{path}: not a gradscope run file; refusing to replace it")
 
 
 class _Table:

@@ -59,8 +59,10 @@ def test_per_role_values():
     assert role_spec("0.1") == 0.1 and role_spec(" voter = 0.05 ,aggregator=0") == "voter=0.05,aggregator=0"
     with pytest.raises(ConfigError, match=r"unknown role\(s\) \['critic'\]"):
         role_values("critic=1", roles, "kl-coef")
-    with pytest.raises(ConfigError, match="must be >= 0"):
+    with pytest.raises(ConfigError, match=r"^--kl-coef voter must be a finite number >= 0, got -1.0$"):
         role_values("voter=-1", roles, "kl-coef")
+    with pytest.raises(ConfigError, match=r"^--coherence-reg must be a finite number >= 0, got nan$"):
+        role_values("nan", roles, "coherence-reg")
     for bad in ("voter", "voter=x", "=1", "voter=1,voter=2"):
         with pytest.raises(Exception):
             role_spec(bad)
