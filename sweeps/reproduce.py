@@ -12,6 +12,7 @@ A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 from functools import lru_cache
@@ -23,9 +24,11 @@ import pandas as pd
 from gradscope.alerts import DEFAULT_RULES, parse_rule
 from gradscope.analyses.report import AnalysisConfig, analyze_series
 from gradscope.analyses.series import RunSeries
+from gradscope.errors import GradscopeError
 from gradscope.figures import data
 from gradscope.figures.sweepdir import folder_runs
 from gradscope.figures.table import cell_table, format_cell_table, summary_table
+from gradscope.trainers.sweep.runs import last_step
 
 HERE = Path(__file__).resolve().parent
 #: Every sweep behind the document, in the order the document uses them.
@@ -51,6 +54,20 @@ class Folders:
     @lru_cache(maxsize=None)
     def report(self, name: str, index: int):
         return analyze_series(self.runs(name)[index], AnalysisConfig())
+
+    @lru_cache(maxsize=None)
+    def unfinished(self, name: str) -> tuple[tuple[str, RunSeries, int], ...]:
+        """(cell, run, last training step) of the runs of a folder whose writer never closed the file."""
+        folder = self.root / name
+        if not folder.is_dir():
+            return ()
+        done = set(folder_runs(folder))
+        out = []
+        for p in folder_runs(folder, finished_only=False):
+            if p not in done:
+                with contextlib.suppress(GradscopeError):
+                    out.append((p.stem, data.load(p)[0], last_step(p)[0]))
+        return tuple(out)
 
     def reports(self, name: str) -> list:
         return [self.report(name, i) for i in range(len(self.runs(name)))]
@@ -103,21 +120,37 @@ def table1(name: str):
 
 
 def compute(folders: Folders) -> str:
-    """Runs, training steps and CPU time of every sweep (from the sweep logs' ``/usr/bin/time`` line)."""
-    rows, total = [], 0.0
+    """Runs, training steps and compute of every sweep. Finished runs are the ones every other table
+    holds; a run killed before its end (run file never closed) is listed with the step it reached and
+    left out of the other tables. Step hours: the run files' ``time/rollout + time/update`` summed over
+    every run, finished or not (one process with one torch thread each; evaluations not included).
+    CPU hours: the sweep log's ``/usr/bin/time`` line(s), when the sweep ran to its end under it."""
+    rows, total_cpu, total_hours = [], 0.0, 0.0
     for name in SWEEPS:
         runs = folders.runs(name)
+        killed = folders.unfinished(name)
+        hours = sum(_step_seconds(s) for s in (*runs, *(s for _, s, _ in killed))) / 3600
+        total_hours += hours
         log = folders.root / f"{name}.log"
         cpu = None
         if log.is_file():
             found = re.findall(r"cpu ([\d.]+) ([\d.]+) wall ([\d.]+)", log.read_text(errors="replace"))
             if found:
                 cpu = sum(float(u) + float(s) for u, s, _ in found) / 3600
-                total += cpu
+                total_cpu += cpu
         steps = sum(int(s.steps[-1]) if len(s.steps) else 0 for s in runs)
-        rows.append([f"`sweeps/{name}.yaml`", len(runs), steps, "–" if cpu is None else f"{cpu:.2f}"])
-    rows.append(["total", sum(r[1] for r in rows), sum(r[2] for r in rows), f"{total:.2f}"])
-    return _md(["sweep", "runs", "training steps", "CPU hours"], rows)
+        gone = ", ".join(f"{cell} ({step} steps)" for cell, _, step in killed) or "–"
+        rows.append([f"`sweeps/{name}.yaml`", len(runs), steps, gone, f"{hours:.2f}",
+                     "–" if cpu is None else f"{cpu:.2f}"])
+    rows.append(["total", sum(r[1] for r in rows), sum(r[2] for r in rows), "", f"{total_hours:.2f}",
+                 f"{total_cpu:.2f}"])
+    return _md(["sweep", "finished runs", "training steps", "killed before the end (steps reached)",
+                "step hours", "CPU hours (sweep log)"], rows)
+
+
+def _step_seconds(s: RunSeries) -> float:
+    m = s.metrics
+    return float(sum(m[c].sum() for c in ("time/rollout", "time/update") if c in m.columns))
 
 
 def claim1(folders: Folders) -> str:

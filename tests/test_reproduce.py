@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,11 +33,31 @@ def sweep_folder(root: Path, name: str, runs: dict[str, dict]) -> None:
     (root / f"{name}.log").write_text("... sweep output ...\ncpu 3600.0 360.0 wall 9000\n")
 
 
+#: A run killed at step 5 (the writer never closes the file): 5 steps of 0.2 h rollout + update each.
+KILLED = """
+import os, sys
+from gradscope.runfile import RunMeta, RunWriter
+meta = RunMeta(agents=["voter0", "aggregator"], agent_roles=["voter", "aggregator"], policies=["shared"],
+               config={"workflow": "voting", "task": "math", "model": "testbed", "policy": "sp", "seed": 3})
+w = RunWriter(sys.argv[1], meta, flush_every=1)
+for step in range(1, 6):
+    w.log_metrics(step, {"time/rollout": 360.0, "time/update": 360.0})
+w.flush()
+os._exit(0)
+"""
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sweeps")
     sweep_folder(root, "voting_math_long", {f"{p}_seed{s}": dict(policy=p, seed=s, cliff=(p == "ip" and s == 0))
                                             for p in ("ip", "sp") for s in (0, 1, 2)})
+    manifest = root / "voting_math_long" / "cells.json"  # a 7th cell, killed: listed, in no other table
+    cells = json.loads(manifest.read_text())
+    cells["cells"].append({"name": "sp_seed3", "run": "runs/sp_seed3.h5", "axes": {}})
+    manifest.write_text(json.dumps(cells))
+    subprocess.run([sys.executable, "-c", KILLED, str(root / "voting_math_long" / "runs" / "sp_seed3.h5")],
+                   check=True)
     sweep_folder(root, "workflows_math", {f"evalopt_{p}_seed{s}": dict(policy=p, seed=s, workflow="evalopt")
                                           for p in ("ip", "sp") for s in (0, 1)})
     return root
@@ -72,8 +94,10 @@ def test_tables_are_regenerated_from_the_folders(reproduce, root, tmp_path):
     assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 0
 
     blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(text)}
-    # compute: 6 + 4 runs, 40 steps each; 2 × 1.1 CPU hours from the logs' time lines
-    assert "| total | 10 | 400 | 2.20 |" in blocks["compute"]
+    # compute: 6 + 4 finished runs, 40 steps each; the killed run listed with its step and its 1 step hour;
+    # 2 × 1.1 CPU hours from the logs' time lines
+    assert "| `sweeps/voting_math_long.yaml` | 6 | 240 | sp_seed3 (5 steps) | 1.00 | 1.10 |" in blocks["compute"]
+    assert "| total | 10 | 400 |  | 1.00 | 2.20 |" in blocks["compute"]
     assert "not run yet" in blocks["mitigations"]
     # claim 1: one row per (workflow, task, model, policy); the cliff run is IP seed 0 and ends below base
     claim1 = blocks["claim1"]
