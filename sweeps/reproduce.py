@@ -32,7 +32,8 @@ from gradscope.trainers.sweep.runs import last_step
 
 HERE = Path(__file__).resolve().parent
 #: Every sweep behind the document, in the order the document uses them.
-SWEEPS = ("voting_math_long", "voting_math_cliff", "voting_math_scale", "workflows_math", "workflows_code")
+SWEEPS = ("voting_math_long", "voting_math_hot", "voting_math_cliff", "voting_math_scale", "workflows_math",
+          "workflows_code")
 #: The coherence of independent agents of a 3-agent role, 1/√3.
 INDEPENDENT = 1 / np.sqrt(3)
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -185,7 +186,7 @@ def _drop_before(acc: pd.Series, until: int) -> float:
 
 def claims23(folders: Folders) -> str:
     """IP vs SP: peak, final, cliff rate, the largest early drop (first half of the run)."""
-    names = ["voting_math_long", "voting_math_cliff", "voting_math_scale", "workflows_math", "workflows_code"]
+    names = list(SWEEPS)
     rows = []
     for name in names:
         runs = [s for s in folders.runs(name) if _variant(s) == "none"]
