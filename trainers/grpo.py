@@ -191,7 +191,7 @@ class GRPOUpdater:
         result = None
         with self.probe.step(step, policy=adapter) if probe_this_step else nullcontext() as probed:
             if batch:
-                token_loss, totals = self._token_loss(adapter, batch, n_tokens)
+                token_loss, totals = self._token_loss(adapter, batch, n_tokens, probed)
                 token_loss = (self._coherence_scaled(adapter, batch, token_loss[0]), token_loss[1])
                 if probed is not None:
                     probed.backward_tokens(token_loss[0], token_loss[1])
@@ -213,10 +213,11 @@ class GRPOUpdater:
             "lr": optimizer.param_groups[0]["lr"], "samples": int(samples),
             "tokens": n_tokens, "kl": kl / max(n_tokens, 1)})
 
-    def _token_loss(self, adapter: str, batch: Sequence[TrainSample], n_tokens: int
+    def _token_loss(self, adapter: str, batch: Sequence[TrainSample], n_tokens: int, probed=None
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], np.ndarray]:
         """((B, T) per-token loss already divided by the global ``n_tokens``, (B, T) agent ids with
-        -1 off the completions), and this rank's (loss, clipped tokens, KL) sums."""
+        -1 off the completions), and this rank's (loss, clipped tokens, KL) sums. The forward is tagged
+        with its rows' agents for the probe (batch first: the hooks cannot guess it when T == B)."""
         cfg = self.cfg
         ids, attn, comp = pack([s.turn.sample for s in batch], self.pad_id, self.model.device)
         mask = comp.bool()
@@ -225,7 +226,8 @@ class GRPOUpdater:
         adv = torch.tensor([s.advantage for s in batch], device=ids.device)[:, None]
         agent_ids = torch.tensor([s.agent for s in batch], device=ids.device)[:, None].expand_as(comp).clone()
         agent_ids[~mask] = -1
-        with use_adapter(self.model, adapter):
+        rows = probed.rows([s.agent for s in batch], batch_dim=0) if probed is not None else nullcontext()
+        with use_adapter(self.model, adapter), rows:
             lp = token_logprobs(self.model, ids, attn, cfg.temperature)
         ratio = torch.exp(lp - old)
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
