@@ -5,11 +5,15 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from gradscope.cli import ArgumentParser
-from gradscope.trainers.config import add_arguments, from_arguments
+from gradscope.errors import ConfigError
+from gradscope.runfile import open_run
+from gradscope.trainers.config import (TrainConfig, add_arguments, given_arguments, load_config_file, locate,
+                                       merge)
 from gradscope.trainers.distributed import world_size_from_env
 from gradscope.trainers.train import Trainer
 
@@ -34,10 +38,17 @@ def train_main(argv: Sequence[str]) -> int:
     parser = ArgumentParser(prog="gradscope train",
                             description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
     add_arguments(parser)
-    cfg = from_arguments(parser.parse_args(list(argv)))
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="settings from a YAML file, one 'name: value' per flag (flags override it)")
+    args = parser.parse_args(list(argv))
+    given = given_arguments(argv)
+    cfg, origin = config_from(given, args.config)
     if world_size_from_env() > 1:  # torchrun tears a job down with SIGTERM: close the run file cleanly
         signal.signal(signal.SIGTERM, _interrupt)
-    trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))
+    try:
+        trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))
+    except ConfigError as exc:  # a bad value from the config file: say where it was set
+        raise locate(exc, {k: where for k, where in origin.items() if k not in given}) from None
     try:
         out = run_with_progress(trainer)
     finally:
@@ -47,6 +58,17 @@ def train_main(argv: Sequence[str]) -> int:
             print(f"gradscope: stopped after step {trainer.stopped_after} by alert: {trainer.stopped_by.message}")
         print(f"wrote {out}")
     return 0
+
+
+def config_from(given: dict[str, Any], config_file: str | None) -> tuple[TrainConfig, dict[str, str]]:
+    """The run's settings: defaults, or with ``--resume`` the run file's stored config, then the config
+    file's, then the ``given`` flags'. Returns the config and where the file set each of its settings."""
+    file, origin = load_config_file(config_file) if config_file else ({}, {})
+    cfg = merge(given, file)
+    if cfg.resume and Path(cfg.out).is_file():  # a missing or foreign file is reported by the trainer
+        with open_run(cfg.out) as run:
+            cfg = merge(given, file, stored=run.meta.config)
+    return cfg, origin
 
 
 def _interrupt(signum: int, frame: object) -> None:
