@@ -1,29 +1,23 @@
 """Shared-policy role capture: one role's gradient dominates a shared parameter set.
 
-Default (DESIGN.md): in a parameter set trained by ≥ 2 roles, one role's contribution share
-``s_r ≥ 0.7`` on at least 80% of a 10-step window. The finding says whether the role's per-token
+Default: in a parameter set trained by ≥ 2 roles, one role's contribution share ``s_r ≥ 0.7`` on at
+least 80% of a 10-step window; qualifying windows of one role and set fewer than ``gap`` (20) steps
+apart are one finding. The finding says whether the role's per-token
 gradient or only its token count explains the dominance, and reports the text-side signature from
 the evaluation records: other roles' output lengths drifting toward the dominant role's, and their
 format validity falling.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 
 from gradscope.analyses.findings import Finding
 from gradscope.analyses.series import RunSeries
-from gradscope.analyses.windows import episodes, sustained
+from gradscope.analyses.thresholds import CaptureConfig
+from gradscope.analyses.windows import episodes, merge_close, sustained
 
-
-@dataclass(frozen=True)
-class CaptureConfig:
-    share: float = 0.7        # contribution-share threshold
-    window: int = 10
-    fraction: float = 0.8
-    excess: float = 0.1       # token / per-token share above the fair 1/R that "explains" dominance
+__all__ = ["CaptureConfig", "detect_capture", "text_signature"]
 
 
 def detect_capture(series: RunSeries, cfg: CaptureConfig = CaptureConfig()) -> list[Finding]:
@@ -35,7 +29,8 @@ def detect_capture(series: RunSeries, cfg: CaptureConfig = CaptureConfig()) -> l
         fair = 1.0 / len(roles)
         for j, role in enumerate(roles):
             share = st["share"][:, j]
-            for a, b in episodes(sustained(share >= cfg.share, cfg.window, cfg.fraction), cfg.window):
+            qualifies = sustained(share >= cfg.share, cfg.window, cfg.fraction)
+            for a, b in merge_close(episodes(qualifies, cfg.window), series.steps, cfg.gap):
                 seg = slice(a, b + 1)
                 onset = a + int(np.argmax(share[seg] >= cfg.share))
                 tok, per_tok = float(np.nanmean(st["token_share"][seg, j])), float(np.nanmean(st["per_token_share"][seg, j]))

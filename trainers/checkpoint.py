@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gradscope.errors import ConfigError
+from gradscope.paths import kind_of
 from gradscope.peft_support import adapter_parameters
 
 LATEST, OLD, TMP = "latest", "old", "tmp"
@@ -172,7 +173,7 @@ def check_folder(folder: Path, *names: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(mode):
-        raise ConfigError(f"checkpoint folder {folder} is {_kind(mode)}, not a folder; move it away")
+        raise ConfigError(f"checkpoint folder {folder} is {kind_of(mode) or 'a file'}, not a folder; move it away")
     for name in names or [p.name for p in folder.iterdir() if _NAMES.fullmatch(p.name)]:
         path = folder / name
         if os.path.lexists(path) and not _ours(path):
@@ -227,10 +228,6 @@ def _remove(path: Path) -> None:
     if not _ours(path):
         raise ConfigError(f"{path} is not a gradscope checkpoint folder; refusing to remove it (move it away)")
     shutil.rmtree(path)
-
-
-def _kind(mode: int) -> str:
-    return "a symbolic link" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else "a special file"
 
 
 def _fsync(path: Path) -> None:

@@ -1,25 +1,29 @@
-"""``gradscope train``: flags → TrainConfig → Trainer, with a progress bar."""
+"""``gradscope train``: flags (over a ``--config`` file, over the stored config on ``--resume``) →
+TrainConfig → Trainer, with a progress bar.
+
+The flags are parsed before torch and the trainer stack are imported, so ``--help`` and a bad flag
+are answered at once.
+"""
 from __future__ import annotations
 
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Any
 
 from gradscope.cli import ArgumentParser
 from gradscope.errors import ConfigError
-from gradscope.runfile import open_run
-from gradscope.trainers.config import (TrainConfig, add_arguments, given_arguments, load_config_file, locate,
-                                       merge)
-from gradscope.trainers.distributed import world_size_from_env
-from gradscope.trainers.train import Trainer
+from gradscope.trainers.config import TrainConfig, add_arguments, given_arguments, load_config_file, locate, merge
+
+if TYPE_CHECKING:
+    from gradscope.trainers.train import Trainer
 
 
 def run_with_progress(trainer: Trainer) -> Path:
     """Train, showing the mean training reward and the last held-out accuracy per step."""
+    from tqdm import tqdm
+
     cfg = trainer.cfg
     last_acc: list[float] = []
     with tqdm(total=cfg.steps, desc=f"{cfg.workflow}/{cfg.task}/{cfg.policy}", unit="step",
@@ -43,6 +47,12 @@ def train_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     given = given_arguments(argv)
     cfg, origin = config_from(given, args.config)
+
+    from tqdm import tqdm  # the trainer stack (torch, transformers, peft) loads only after parsing
+
+    from gradscope.trainers.distributed import world_size_from_env
+    from gradscope.trainers.train import Trainer
+
     if world_size_from_env() > 1:  # torchrun tears a job down with SIGTERM: close the run file cleanly
         signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -66,6 +76,8 @@ def config_from(given: dict[str, Any], config_file: str | None) -> tuple[TrainCo
     file, origin = load_config_file(config_file) if config_file else ({}, {})
     cfg = merge(given, file)
     if cfg.resume and Path(cfg.out).is_file():  # a missing or foreign file is reported by the trainer
+        from gradscope.runfile import open_run
+
         with open_run(cfg.out) as run:
             cfg = merge(given, file, stored=run.meta.config)
     return cfg, origin

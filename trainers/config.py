@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradscope.errors import ConfigError
-
+from gradscope.ranges import COUNT, WHOLE, Range
 from gradscope.trainers.flags import flag
-from gradscope.trainers.grpo import GRPOConfig
+from gradscope.trainers.grpo_config import GRPOConfig
 
 
 
@@ -34,7 +34,8 @@ class TrainConfig:
     policy: str = flag("ip", "ip | sp | role=adapter,... (e.g. voter=a,aggregator=b)")
     model: str = flag("testbed", "'testbed' or a local Hugging Face causal-LM folder")
     steps: int = flag(200, "training steps")
-    tasks_per_step: int = flag(8, "tasks per training step (each rolled out group_size times)")
+    tasks_per_step: int = flag(8, "tasks per training step, each rolled out group_size times (the paper, "
+                                  "arXiv 2605.24202: 64)")
     n_train: int = flag(2000, "generated training tasks (files and HumanEval: all not held out)")
     n_held_out: int = flag(128, "held-out evaluation tasks")
     eval_every: int = flag(25, "evaluate every N steps (and at step 0 and the end; 0: only those)")
@@ -44,6 +45,8 @@ class TrainConfig:
                                 "for full fine-tuning, docs/distributed.md)")
     out: str = flag("run.h5", "run file to write")
     overwrite: bool = flag(False, "replace an existing run file")
+    log_to: str = flag("", "also log to dashboards: tensorboard,wandb,mlflow (comma-separated; docs/integrations.md)")
+    log_dir: str | None = flag(None, "folder for --log-to, one subfolder per dashboard (default: <out>.logs)")
     resume: bool = flag(False, "continue the run file --out from its last checkpoint")
     checkpoint_every: int = flag(50, "save adapters + optimizer state every N steps (0: only at the end)")
     seed: int = flag(0, "random seed (tasks, sampling, initialisation)")
@@ -57,6 +60,8 @@ class TrainConfig:
     dist_timeout: float = flag(300.0, "under torchrun: seconds a collective may wait for a silent rank")
     threads: int = flag(0, "torch intra-op threads per process (0: 1 for the testbed on CPU, torch's default "
                            "otherwise)")
+    unsafe_sandbox: bool = flag(False, "code tasks: run generated programs even where the sandbox lacks a layer "
+                                       "(user namespaces, seccomp); docs/sandbox.md")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def resolved(self) -> "TrainConfig":
@@ -76,9 +81,9 @@ class TrainConfig:
 
 
 #: What ``--resume`` may change: how long to train, when to evaluate and checkpoint, the alert rules,
-#: and how the processes run. Every other setting must equal the run's stored one.
-RESUMABLE = ("steps", "eval_every", "checkpoint_every", "alert", "alerts", "default_alerts", "threads",
-             "dist_timeout", "out", "overwrite", "resume")
+#: where else to log, how the processes run. Every other setting must equal the run's stored one.
+RESUMABLE = ("steps", "eval_every", "checkpoint_every", "alert", "alerts", "default_alerts", "log_to", "log_dir",
+             "threads", "dist_timeout", "unsafe_sandbox", "out", "overwrite", "resume")
 #: Settings that always come from the command line (or their defaults), never from a stored config.
 _INVOCATION = ("out", "overwrite", "resume")
 #: A ``--config`` file larger than this is refused unread.
@@ -256,3 +261,17 @@ def given_arguments(argv: Sequence[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser, defaults=False)
     return vars(parser.parse_known_args(list(argv))[0])
+
+
+#: Allowed values of every numeric TrainConfig field, checked by ``train.validate`` before any model is
+#: built (0 means "the model's default" where the help says so). Upper bounds only where a larger value
+#: breaks a library: numpy seeds are 32-bit, ``timedelta`` overflows.
+RANGES: dict[str, Range] = {
+    "task_level": Range(1, 3, whole=True),
+    "steps": COUNT, "tasks_per_step": COUNT, "n_train": COUNT, "n_held_out": COUNT, "probe_every": COUNT,
+    "eval_every": WHOLE, "probe_sketch": WHOLE, "checkpoint_every": WHOLE, "lora_rank": WHOLE,
+    "max_new_tokens": WHOLE, "max_evals": WHOLE, "threads": WHOLE,
+    "seed": Range(0, 2**32 - 1, whole=True),
+    "lora_alpha": Range(0),
+    "dist_timeout": Range(0, 10**6, lo_open=True),
+}

@@ -1,6 +1,7 @@
 """Reading a solver's answer and scoring a workflow's final answer against the task.
 
-Math answers are compared numerically (``answers_match``); code answers pass only if the program
+Math answers are checked with ``check_answer`` (exact arithmetic for generated tasks, math-verify
+equivalence for GSM8K / MATH files); code answers pass only if the program
 passes the task's tests inside the sandbox — never in-process. Code verdicts are cached per
 (task, answer): GRPO groups produce many identical programs.
 """
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from gradscope.trainers.sandbox import Limits, check_program
-from gradscope.trainers.tasks import answers_match, extract_answer, sandbox_args
+from gradscope.trainers.tasks import check_answer, extract_answer, sandbox_args
 from gradscope.trainers.tasks.base import Task
 from gradscope.trainers.workflows.base import Episode
 
@@ -27,9 +28,11 @@ def solver_answer(task: Task, text: str) -> tuple[str | None, bool]:
 class Scorer:
     """Sets ``episode.reward`` to 1.0 for a correct final answer, else 0.0."""
 
-    def __init__(self, limits: Limits = Limits(wall_s=5.0, cpu_s=5.0), workers: int = 2) -> None:
+    def __init__(self, limits: Limits = Limits(wall_s=5.0, cpu_s=5.0), workers: int = 2, *,
+                 unsafe: bool = False) -> None:
         self.limits = limits
         self.workers = workers
+        self.unsafe = unsafe  # run even where the sandbox lacks a layer (--unsafe-sandbox)
         self._code_cache: dict[tuple[str, str], bool] = {}
 
     def score(self, episodes: Sequence[Episode]) -> None:
@@ -37,13 +40,14 @@ class Scorer:
                 if ep.task.kind == "code" and ep.answer is not None}
         todo = [key for key in code if key not in self._code_cache]
         with ThreadPoolExecutor(self.workers) as pool:  # each check is a sandboxed subprocess
-            verdicts = pool.map(lambda key: check_program(*sandbox_args(code[key], key[1]), limits=self.limits), todo)
+            verdicts = pool.map(lambda key: check_program(*sandbox_args(code[key], key[1]), limits=self.limits,
+                                                          unsafe=self.unsafe), todo)
             for key, result in zip(todo, verdicts):
                 self._code_cache[key] = result.verdict == "pass"
         for ep in episodes:
             if ep.answer is None:
                 ep.reward = 0.0
             elif ep.task.kind == "math":
-                ep.reward = float(answers_match(ep.answer, ep.task.answer))
+                ep.reward = float(check_answer(ep.task, ep.answer))
             else:
                 ep.reward = float(self._code_cache[(ep.task.id, ep.answer)])

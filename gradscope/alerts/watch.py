@@ -44,8 +44,7 @@ class Follower:
         if n_rec:
             lo = self.next["records"]
             recs = {name: run.read(name, lo, lo + n_rec) for name in ("gram", "tokens", "scalars", "policy")}
-            names = np.array([*run.meta.policies, None], dtype=object)
-            pol = names[np.where(recs["policy"] >= 0, recs["policy"], len(run.meta.policies))]
+            pol = run.policy_names(recs["policy"])
             for s in np.unique(rec_step[:n_rec]):
                 m = rec_step[:n_rec] == s
                 # NaN = not logged by the writer (RunWriter fills missing scalars so), not a NaN value

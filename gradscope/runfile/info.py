@@ -1,4 +1,4 @@
-"""``gradscope info``: a plain-text summary of what a run file holds."""
+"""``gradscope info``: a plain-text summary of what a run file holds (a missing value reads ``—``)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+from gradscope.labels import MISSING, text
 from gradscope.runfile.reader import RunReader, open_run
 
 _MAX_NAMES = 8  # list at most this many scalar names / groups before abbreviating
@@ -28,7 +29,7 @@ def _age(path: str) -> str:
     try:
         seconds = max(0.0, time.time() - os.path.getmtime(path))
     except OSError:
-        return "unknown"
+        return MISSING
     if seconds < 120:
         return f"{seconds:.0f} s ago"
     if seconds < 7200:
@@ -65,15 +66,15 @@ def render_info(path: str | os.PathLike[str]) -> str:
         meta = run.meta
         add = lambda label, text: lines.append((label, text))  # noqa: E731
         add("run file", f"{path} (schema {run.schema_version})")
-        add("created", meta.created or "(unknown)")
+        add("created", meta.created or MISSING)
         if run.closed:
             add("writer", "closed cleanly")
         else:
             add("writer", f"not closed: live or killed (file last modified {_age(path)}; "
                           f"only committed records are shown)")
         add("versions", _names([f"{k} {v}" for k, v in meta.versions.items()], limit=20))
-        add("seed", "(none)" if meta.seed is None else str(meta.seed))
-        add("probe method", meta.probe_method or "(unknown)")
+        add("seed", text(meta.seed))
+        add("probe method", meta.probe_method or MISSING)
         add("agents", ", ".join(f"{a} ({r})" for a, r in zip(meta.agents, meta.agent_roles)))
         count = Counter(meta.agent_roles)
         add("roles", ", ".join(f"{r} x{count.get(r, 0)}" for r in meta.roles))
