@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from gradscope.errors import ConfigError
-from gradscope.paths import kind_of
+from gradscope.paths import fsync, kind_of
 from gradscope.peft_support import adapter_parameters
 
 LATEST, OLD, TMP = "latest", "old", "tmp"
@@ -100,7 +100,9 @@ def save_checkpoint(folder: Path, step: int, model, updater, trainer, writer, na
 
 def _write(folder: Path, final: Path, info: dict, model, updater, rng: list[dict]) -> None:
     check_folder(folder, final.name)
-    folder.mkdir(parents=True, exist_ok=True)
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        fsync(folder.parent)
     tmp = folder / TMP
     _remove(tmp)  # a crashed save's leftover
     tmp.mkdir()
@@ -115,16 +117,15 @@ def _write(folder: Path, final: Path, info: dict, model, updater, rng: list[dict
     }, tmp / _PARTIAL)
     _fsync_tree(tmp)
     os.replace(tmp / _PARTIAL, tmp / STATE)  # from here on tmp/ is a complete checkpoint
-    _fsync(tmp)
+    fsync(tmp)
     old = folder / OLD
-    swap = final.name == LATEST and _complete(final)
-    if swap:  # old/ is removed only while latest/ is complete: it may be the only checkpoint left
+    if final.name == LATEST and _complete(final):  # old/ is removed only while latest/ is complete: it may be the only checkpoint left
         _remove(old)
         os.rename(final, old)
     else:  # an incomplete latest/, or an alert's step<N>/ (never a resume point) written again
         _remove(final)
     os.rename(tmp, final)
-    _fsync(folder)
+    fsync(folder)
     if final.name == LATEST:
         _remove(old)
 
@@ -230,17 +231,9 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every file and folder under ``root`` (files first, so a synced folder lists synced files)."""
-    for here, dirs, files in os.walk(root, topdown=False):
+    for here, _, files in os.walk(root, topdown=False):
         for name in files:
-            _fsync(Path(here) / name)
-        _fsync(Path(here))
+            fsync(Path(here) / name)
+        fsync(Path(here))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradscope.cli import ArgumentParser
-from gradscope.errors import ConfigError
+from gradscope.errors import ConfigError, RunFileError
 from gradscope.trainers.config import TrainConfig, add_arguments, given_arguments, load_config_file, locate, merge
 
 if TYPE_CHECKING:
@@ -75,11 +75,15 @@ def config_from(given: dict[str, Any], config_file: str | None) -> tuple[TrainCo
     file's, then the ``given`` flags'. Returns the config and where the file set each of its settings."""
     file, origin = load_config_file(config_file) if config_file else ({}, {})
     cfg = merge(given, file)
-    if cfg.resume and Path(cfg.out).is_file():  # a missing or foreign file is reported by the trainer
+    if cfg.resume:
         from gradscope.runfile import open_run
 
-        with open_run(cfg.out) as run:
-            cfg = merge(given, file, stored=run.meta.config)
+        try:
+            with open_run(cfg.out) as run:
+                stored = run.meta.config
+        except RunFileError:  # a missing, foreign or unreadable file: the trainer's checks say which
+            return cfg, origin
+        cfg = merge(given, file, stored=stored)
     return cfg, origin
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from h5py import h5s
 
 from gradscope.errors import RunFileError
-from gradscope.paths import check_output
+from gradscope.paths import check_output, fsync
 from gradscope.runfile import schema
 from gradscope.runfile.reader import RunReader, is_run_file, open_run
 from gradscope.runfile.schema import RunMeta
@@ -75,14 +75,6 @@ def _as_int(value: Any, what: str) -> int:
         return int(value.__index__())  # ints and numpy integers, never floats or strings
     except (AttributeError, TypeError):
         raise ValueError(f"{what} must be an integer, got {value!r}") from None
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _as_array(value: Any, dtype: type, what: str) -> np.ndarray:
@@ -486,7 +478,7 @@ class RunWriter:
                 message = w._copy_below(old, keep)
             w.log_event(keep, "resume", message)
             w.flush()
-            _fsync(tmp)
+            fsync(tmp)
             with contextlib.suppress(OSError):
                 shutil.copymode(path, tmp)
             os.replace(tmp, path)
@@ -501,7 +493,7 @@ class RunWriter:
             raise
         w.path = path
         with contextlib.suppress(OSError):  # make the rename durable, where the OS allows
-            _fsync(os.path.dirname(os.path.abspath(path)))
+            fsync(os.path.dirname(os.path.abspath(path)))
         return w
 
     def _copy_below(self, old: RunReader, keep: int) -> str:
