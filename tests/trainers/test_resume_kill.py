@@ -129,18 +129,19 @@ def test_kill_anywhere_and_resume_equals_an_uninterrupted_run(tmp_path):
     folder = Path(str(out) + ".ckpt")
     rng = random.Random(SEED)
     # First the named points (each advances the run by at most one checkpoint, so all are reached),
-    # the base evaluation's checkpoint never made first; then seeded random calls; then seeded delays.
+    # the base evaluation's checkpoint never made first; then seeded delays (a fraction of an
+    # uninterrupted run: most land before the end); then seeded random calls.
     first = "flushed, before the checkpoint"
     named = sorted(set(POINTS) - {first})
     rng.shuffle(named)
     plan: list[tuple[str, Callable[[], None] | None, float | None]] = [
         (name, (lambda name=name: POINTS[name](out)), None) for name in [first, *named]]
+    plan += [(f"after {d:.2f} s", None, d) for d in (rng.uniform(0.1, 0.6) * duration for _ in range(2))]
     for _ in range(3):
         owner, name, most = rng.choice(BUSY)
         n, after = rng.randint(1, most), rng.random() < 0.5
         plan.append((f"call {n} of {name} ({'after' if after else 'before'})",
                      lambda owner=owner, name=name, n=n, after=after: _kill_at(owner, name, after=after, n=n), None))
-    plan += [(f"after {d:.2f} s", None, d) for d in (rng.uniform(0.1, 0.6) * duration for _ in range(2))]
 
     outcomes: list[tuple[str, str]] = []
     for i, (label, arm, delay) in enumerate(plan):
