@@ -289,7 +289,10 @@ class Trainer:
         logged, metrics = self.updater.update(step, episodes, cfg.grpo.mini_batch_size, probed)
         for o in logged:
             writer.log_step(step, o.result.gram, o.result.tokens, policy=o.policy, scalars=o.scalars,
-                            group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None)
+                            group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None,
+                            method=o.result.method)
+            for warning in o.result.warnings:  # a probe fallback or a failed self-check, with its reason
+                writer.log_event(step, "probe", warning, severity="warning")
         metrics.update(_episode_metrics(self._everyone(episodes), prefix="train/"))
         metrics["time/rollout"], metrics["time/update"] = t1 - t0, time.perf_counter() - t1
         writer.log_metrics(step, metrics)
