@@ -2,8 +2,8 @@
 
 Layout of ``<run>.h5.ckpt/``: ``latest/`` is the resume point, ``step<N>/`` an alert's
 ``checkpoint`` action; each holds ``adapters/`` (``PeftModel.save_pretrained`` output, one folder
-per adapter), ``state.pt`` (adapter tensors, optimizer states, every random generator's state) and
-``checkpoint.json`` (the step, and what the run file held when it was taken).
+per adapter), ``state.pt`` (adapter tensors, optimizer states, every random generator's state,
+the probe's state) and ``checkpoint.json`` (the step, and what the run file held when it was taken).
 
 Durability. A checkpoint is taken only after the run file's buffered rows are flushed and committed:
 ``checkpoint.json`` records the run file's committed counters, which then equal its rows up to the
@@ -88,6 +88,7 @@ def save_checkpoint(folder: Path, step: int, model, updater, trainer, writer, na
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this rank's device
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
+        "probe": trainer.probe.state_dict(),  # its self-check schedule decides /steps/method
     })
     final = folder / name
     if dist.is_main:
@@ -113,7 +114,7 @@ def _write(folder: Path, final: Path, info: dict, model, updater, rng: list[dict
         "adapters": {n: p.detach().cpu() for ps in adapter_parameters(model).values() for n, p in ps},
         "optimizers": {a: opt.state_dict() for a, opt in updater.optimizers.items()},
         "world_size": info["world_size"],
-        "rng": rng,  # one entry per rank
+        "rng": rng,  # one entry per rank: its random generators and probe state
     }, tmp / _PARTIAL)
     _fsync_tree(tmp)
     os.replace(tmp / _PARTIAL, tmp / STATE)  # from here on tmp/ is a complete checkpoint
@@ -137,7 +138,7 @@ def find_checkpoint(folder: Path) -> Checkpoint | None:
 
 
 def load_checkpoint(ckpt: Checkpoint, model, updater, trainer) -> None:
-    """Restore the adapters, optimizer states and random generators of ``ckpt``."""
+    """Restore the adapters, optimizer states, random generators and probe state of ``ckpt``."""
     path = ckpt.path / STATE
     state = torch.load(path, weights_only=False, map_location="cpu")  # not every rank onto cuda:0
     params = {n: p for ps in adapter_parameters(model).values() for n, p in ps}
@@ -163,6 +164,8 @@ def load_checkpoint(ckpt: Checkpoint, model, updater, trainer) -> None:
         torch.cuda.set_rng_state(cuda_rng)
     np.random.set_state(rng["numpy_rng"])
     random.setstate(rng["python_rng"])
+    if "probe" in rng:  # written before checkpoints held the probe's state
+        trainer.probe.load_state_dict(rng["probe"])
 
 
 def check_folder(folder: Path, *names: str) -> None:
