@@ -292,8 +292,8 @@ class HooksMethod(GramMethod):
                 return
             A = x.reshape(forward.rows, -1, x.shape[-1])
             G = grad.reshape(forward.rows, -1, grad.shape[-1])
-            if A.dtype != self.dtype:
-                A, G = A.to(self.dtype), G.to(self.dtype)
+            # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
+            A, G = A.to(self.dtype), G.to(self.dtype)
             if layer.weight is not None:
                 self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
             if layer.bias is not None:
