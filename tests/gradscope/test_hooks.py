@@ -171,6 +171,59 @@ def test_unprobed_steps_between_do_not_confuse_the_rows():
     assert rel_err(s.result.gram, brute([case.call(list(range(8)))], lora_params(model))) < 1e-5
 
 
+# ---------------------------------------------------------------- gradient checkpointing
+def tagged(case: LMCase, rows: list[int]):
+    """An SP micro-batch whose forward is tagged with its rows' agents (``s.rows``)."""
+    def forward(s):
+        with s.rows(case.ROW_AGENT[rows]):
+            lp = case.logprobs(rows)
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    forward.tags = True
+    return forward
+
+
+def count_calls(module: nn.Module) -> list[int]:
+    """A counter of ``module``'s grad-enabled calls (forwards and a checkpoint's recomputations)."""
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + torch.is_grad_enabled()))
+    return calls
+
+
+@pytest.mark.parametrize("tags", [False, True], ids=["untagged", "s.rows"])
+def test_gradient_checkpointing_is_exact_and_passes_the_self_check(tags):
+    """HF gradient checkpointing (torch.utils.checkpoint, non-reentrant): the decoder layers run again
+    inside every backward (the self-check's too). Those recomputations are not new forwards; hooks equals
+    brute force (autograd per agent, no checkpointing), with the self-check on and agreeing, over two
+    micro-batches. (One adapter: a checkpoint recomputes with the adapter active at backward time.)"""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    expected = brute([case.call(list(range(8)))], lora_params(model))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # HF checkpoints only in training mode (dropout is 0 throughout)
+    calls = count_calls(model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.lora_A.shared"))
+    micro = [tagged(case, rows) if tags else case.call(rows) for rows in ([0, 1, 2, 6], [3, 4, 5, 7])]
+    result, probe = run(model, "hooks", micro)
+    assert calls[0] > 2  # checkpointing was on: the layer ran again in the backwards
+    assert result.method == "hooks+check" and probe._method.fallback_calls == 0 and not result.warnings
+    assert rel_err(result.gram, expected) < TOL[torch.float64]
+
+
+def test_reentrant_checkpointing_is_not_attributed_by_hooks():
+    """Reentrant checkpointing runs the layers without grad and back-propagates through their recomputation
+    only: hooks sees no call to attribute; the call goes through split (exact), saying why."""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    expected = brute([case.call(list(range(8)))], lora_params(model))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+    model.train()
+    with pytest.warns(RuntimeWarning, match="use_reentrant=False"):
+        result, _ = run(model, "auto", [case.call(list(range(8)))])
+    assert result.method == "split-fallback:unmatched-rows"
+    assert rel_err(result.gram, expected) < TOL[torch.float64]
+
+
 # ---------------------------------------------------------------- a fully trained Embedding + Linear head
 class EmbedLM(nn.Module):
     """Embedding (padding_idx 0) → causal running mean over positions (mixes a row) → tanh → Linear head."""
