@@ -167,6 +167,34 @@ def test_self_check_catches_a_misattributed_layer_and_names_it():
     assert methods == ["split-fallback:check-failed"] * 2
 
 
+@pytest.mark.parametrize("wrong", ["loss-rows-reversed", "tags-reversed"])
+def test_self_check_catches_rows_in_another_order_than_the_forward(wrong):
+    """The loss's rows in another order than the forward's (an untagged forward takes its rows' agents from
+    the loss), or row tags in the wrong order: hooks would silently give rows to the wrong agents. The
+    self-check (no row information) catches it: auto takes its (right) Gram, hooks raises."""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    rows = list(range(8))
+    expected = brute([case.call(rows)], lora_params(model))
+    order = rows[::-1]
+
+    def call(s):
+        if wrong == "loss-rows-reversed":
+            lp = case.logprobs(rows)[order]
+            ids = case.agent_ids[order]
+            return -case.adv[order] * lp * (ids >= 0) / case.n_total, ids
+        with s.rows(case.ROW_AGENT[order]):
+            lp = case.logprobs(rows)
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    call.tags = True
+    with pytest.warns(RuntimeWarning, match="self-check"):
+        result, _ = run(model, "auto", [call])
+    assert result.method == "split-fallback:check-failed" and rel_err(result.gram, expected) < 1e-10
+    with pytest.raises(ProbeError, match="self-check.*row tags"):
+        run(model, "hooks", [call])
+
+
 class _no_warning:
     def __enter__(self):
         return self

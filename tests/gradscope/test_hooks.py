@@ -223,6 +223,16 @@ def test_reentrant_checkpointing_is_not_attributed_by_hooks():
     assert result.method == "split-fallback:unmatched-rows"
     assert rel_err(result.gram, expected) < TOL[torch.float64]
 
+    # a hooked layer seen with grad before the checkpoint: the backward reaches the recomputed ones
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+    model = nn.ModuleDict({"first": first, "second": second})
+    x = torch.randn(4, 3, dtype=torch.float64)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match="reentrant gradient checkpointing"), probe.step(0) as s:
+        out = torch.utils.checkpoint.checkpoint(second, first(x), use_reentrant=True)
+        s.backward_rows(out.square().sum(1), torch.arange(4))
+
 
 # ---------------------------------------------------------------- a fully trained Embedding + Linear head
 class EmbedLM(nn.Module):
@@ -382,6 +392,38 @@ def test_uncovered_parameters_refused_or_split():
     with pytest.raises(ProbeError, match="needs the model"):
         Probe(None, AGENTS, ROLES, params=list(model.parameters()), method="hooks")
     assert Probe(None, AGENTS, ROLES, params=list(model.parameters())).method_name == "split"
+
+
+def test_grad_reduced_when_the_framework_changes_grad():
+    """grad_reduced=True: .grad is not this rank's own gradient (here a hook halves it after accumulation,
+    as a data-parallel average would). The add-up check, which compares with .grad, would call the
+    measurement wrong; with the option the probe skips it, its self-check still runs and agrees, and the
+    Gram is brute force's. A call hooks cannot attribute raises (split would read .grad), and so does a
+    method other than hooks."""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+    expected = brute([call], lora_params(model))
+    def average(p: torch.Tensor) -> None:
+        p.grad.mul_(0.5)
+    for p in lora_params(model):
+        p.register_post_accumulate_grad_hook(average)
+    with pytest.raises(ProbeError, match="do not add up"):
+        run(model, "hooks", [call])
+    result, probe = run(model, "hooks", [call], grad_reduced=True)
+    assert result.method == "hooks+check" and probe._method.fallback_calls == 0
+    assert rel_err(result.gram, expected) < TOL[torch.float64]
+
+    def untagged():  # two untagged forwards: auto would fall back to split
+        lp = torch.cat([case.logprobs([0, 1, 2]), case.logprobs([3, 4, 5, 6, 7])])
+        ids = case.agent_ids
+        return -case.adv * lp * (ids >= 0) / case.n_total, ids
+    with pytest.raises(ProbeError, match="without row tags.*grad_reduced=True"):
+        run(model, "auto", [untagged], grad_reduced=True)
+    with pytest.raises(ProbeError, match="grad_reduced=True needs the hooks method"):
+        Probe(model, AGENTS, ROLES, method="split", grad_reduced=True)
+    with pytest.raises(ProbeError, match="grad_reduced=True needs the hooks method.*auto"):
+        Probe(nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8)), AGENTS, ROLES, grad_reduced=True)
 
 
 class Leaky(nn.Module):
