@@ -616,27 +616,20 @@ class HooksMethod(GramMethod):
             per_param: dict[int, np.ndarray] = {}
             if self.store is None:
                 grams = self._local_grams(per_param if self._check is not None else None)
-            if self.grad_reduced:
-                bad = []  # .grad is not this rank's gradient: the caller compares √ΣM with the global norm
-            elif self.store is None:
-                total, diag = grams.sum((1, 2)), np.diagonal(grams, axis1=1, axis2=2)
-                delta_sq = squared_norms(self._deltas(), self.group_index, self.n_groups)
-                bad = self._check_add_up(total, diag, delta_sq, ghost)
-            else:  # check this rank's contributions before the store sums the ranks'
-                total, diag = self.store.sums()
-                bad = self._check_add_up(total, diag, self.store.norms_sq(self._deltas()), ghost)
+            bad = self._add_up(grams if self.store is None else None, ghost)
             failure = None if self._check is None else self._self_check(
                 grams if self.store is None else self.store.local_grams(), per_param, ghost)
             if failure is not None and not self.strict:
                 self.failed_check = True
-                self._warn(failure + "; this record has split's Gram and the probe uses split from now on")
+                self._warn(failure + "; this record has the check's Gram and the probe uses split from now on")
                 self._reasons.insert(0, "check-failed")
                 if self.store is None:
                     grams = self._check.local_grams()
                 else:
                     for mine, theirs in zip(self.store._buffers(), self._check._buffers()):
                         mine.copy_(theirs)
-                bad = []  # split's Gram adds up by construction
+                # the check sees only the hooked layers' calls: a weight used outside them must still be caught
+                bad = self._add_up(grams if self.store is None else None, ghost)
             if self.store is not None:
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
@@ -656,8 +649,20 @@ class HooksMethod(GramMethod):
                        else "hooks+check" if checked else "hooks")
         return grams
 
+    def _add_up(self, grams: np.ndarray | None, ghost: set[int]) -> list[int]:
+        """The add-up check of this rank's per-agent gradients (``grams`` (G, K, K), or the store's before it
+        sums the ranks') against ``Δ.grad``: the groups that fail; none under ``grad_reduced`` (there
+        ``.grad`` is not this rank's gradient: the caller compares √ΣM with the global norm)."""
+        if self.grad_reduced:
+            return []
+        if grams is None:
+            total, diag = self.store.sums()
+            return self._check_add_up(total, diag, self.store.norms_sq(self._deltas()), ghost)
+        delta_sq = squared_norms(self._deltas(), self.group_index, self.n_groups)
+        return self._check_add_up(grams.sum((1, 2)), np.diagonal(grams, axis1=1, axis2=2), delta_sq, ghost)
+
     def _self_check(self, grams: np.ndarray, per_param: dict[int, np.ndarray], ghost: set[int]) -> str | None:
-        """Compare this step's hooks Grams with split's; a message naming what differs, or None."""
+        """Compare this step's hooks Grams with the check's; a message naming what differs, or None."""
         if self._check is None:
             return None
         if not self._checkable:
@@ -690,8 +695,8 @@ class HooksMethod(GramMethod):
             hint = (f"layer {p.layer.name!r} has several input dimensions of size B = {p.forward.rows} and dimension "
                     f"{p.dim} is not the batch one (a sequence-first (T, B, d) input with T == B?): tag the forward "
                     "with s.rows(agent_of_row, batch_dim=d)")
-        return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's, so rows are "
-                f"attributed to the wrong agents; {hint}")
+        return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's (autograd per "
+                f"agent), so rows are attributed to the wrong agents; {hint}")
 
     def _grad_dtype(self) -> torch.dtype:
         dtypes = {p.dtype for p in self.params}

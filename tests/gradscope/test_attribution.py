@@ -195,6 +195,24 @@ def test_self_check_catches_rows_in_another_order_than_the_forward(wrong):
         run(model, "hooks", [call])
 
 
+class LeakyRowMixer(RowMixer):
+    """RowMixer whose second weight is also used outside its layer: invisible to hooks and to the check."""
+
+    def forward(self, x):
+        return super().forward(x) + torch.nn.functional.linear(x, self.second.weight)
+
+
+def test_a_failed_check_still_catches_a_weight_used_outside_its_layer():
+    """The self-check differentiates at the hooked layers' outputs, so its Gram misses a use of the weight
+    outside the layer too: after a failed check (auto) the add-up check still runs, on the check's Gram."""
+    model = LeakyRowMixer()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    probe = Probe(model, AGENTS, ROLES)
+    with pytest.raises(ProbeError, match="do not add up"), pytest.warns(RuntimeWarning, match="self-check"):
+        with probe.step(0) as s:
+            s.backward_tokens(model(x).square().sum(1, keepdim=True), ROW_AGENT[:, None])
+
+
 class _no_warning:
     def __enter__(self):
         return self
