@@ -417,7 +417,7 @@ class HooksMethod(GramMethod):
         d = G.shape[1]
         coords = ids[:, None] * d + torch.arange(d, device=ids.device)
         store.scatter(layer.weight, agents[:, None].expand_as(coords).reshape(-1), coords.reshape(-1),
-                           G.reshape(-1))
+                      G.reshape(-1))
 
     def _dense_of(self, i: int) -> torch.Tensor:
         if i not in self._dense:  # reuse the buffer of an earlier step: no allocation per step
