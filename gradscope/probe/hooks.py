@@ -224,6 +224,7 @@ class HooksMethod(GramMethod):
         self._in_call = False
         self._missed = False
         self._reentrant = False
+        self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
         self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients, this step
         self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
         self._grad0: list[torch.Tensor | None] = []
@@ -324,6 +325,7 @@ class HooksMethod(GramMethod):
                 return
             A = x.reshape(forward.rows, -1, x.shape[-1])
             G = grad.reshape(forward.rows, -1, grad.shape[-1])
+            self._compute_dtypes.update((A.dtype, G.dtype))
             # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
             A, G = A.to(self.dtype), G.to(self.dtype)
             if layer.weight is not None:
@@ -448,6 +450,7 @@ class HooksMethod(GramMethod):
     def begin(self) -> None:
         self._reset()
         self.warnings, self._reasons = [], []
+        self._compute_dtypes = set()
         if self.store is not None:
             self.store.zero()
         if not self.grad_reduced:  # for the add-up check
@@ -700,8 +703,9 @@ class HooksMethod(GramMethod):
                 f"agent), so rows are attributed to the wrong agents; {hint}")
 
     def _grad_dtype(self) -> torch.dtype:
-        dtypes = {p.dtype for p in self.params}
-        return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else torch.float32
+        """The least precise dtype the step's gradients were computed in: the parameters', or a lower one
+        a probed layer computed in (autocast: fp32 weights, bf16 matmuls)."""
+        return _least_precise({p.dtype for p in self.params} | self._compute_dtypes)
 
     def _local_grams(self, per_param: dict[int, np.ndarray] | None = None) -> np.ndarray:
         per_device: dict[torch.device, torch.Tensor] = {}
@@ -797,12 +801,16 @@ class HooksMethod(GramMethod):
                 before_sq[g] += float(self._grad0[i].double().square().sum())
         if not dtypes:
             return []
-        tol, eps = add_up_tolerance(min(dtypes, key=lambda d: torch.finfo(d).bits))
+        tol, eps = add_up_tolerance(_least_precise(dtypes | self._compute_dtypes))
         scale = np.square(np.sqrt(np.clip(diag, 0, None)).sum(1))
         summands = np.sqrt(magnitude_sq) + np.sqrt(before_sq)
         allowed = (tol * scale + eps * (summands * (np.sqrt(delta_sq) + np.sqrt(np.clip(total, 0, None))) + ghost_sq)
                    + np.finfo(np.float64).tiny)
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
+
+
+def _least_precise(dtypes: set[torch.dtype]) -> torch.dtype:
+    return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else torch.float32
 
 
 def _in_backward() -> bool:

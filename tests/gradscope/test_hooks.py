@@ -345,6 +345,25 @@ def test_mlp_on_2d_inputs_with_biases(ghost, monkeypatch):
     assert rel_err(result.gram, expected) < 1e-9
 
 
+def test_autocast_bf16_inputs_and_gradients_of_different_dtypes():
+    """Under CPU autocast a Linear's input is fp32 (the first layer) or bf16 and its output gradient bf16:
+    hooks casts each to the probe's dtype. Brute force runs under the same autocast (bf16 rounding: 2e-2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    agent_ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])[:, None]
+
+    def call():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        return ((out.float() - y) ** 2).sum(1, keepdim=True) / 8, agent_ids
+    expected = brute([call], list(model.parameters()))
+    result, probe = run(model, "hooks", [call])
+    assert result.method.startswith("hooks")
+    assert rel_err(result.gram, expected) < 2e-2
+
+
 # ---------------------------------------------------------------- guarantees and refusals
 def test_nonfinite_measured_failed_step_and_existing_grad():
     model, plain = EmbedLM(), EmbedLM()
