@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,6 +103,11 @@ class Probe:
             rank of the group must build the probe alike and probe the same steps (collectives).
         check_every: the hooks method's self-check against split: 0 (default) on the first probed step
             with per-row or per-token losses; n > 0 also every n probed steps after it; None never.
+        grad_reduced: False (default): after each backward ``.grad`` holds this rank's own gradient. True:
+            the training framework shards or reduces it over the ranks during the backward (FSDP, DDP), so
+            the probe cannot compare its per-agent gradients with ``.grad``: it needs the hooks method
+            (split reads ``.grad``), skips the add-up check (compare √ΣM with the global gradient norm),
+            and its self-check differentiates every agent on every rank. See docs/probe.md.
 
     ``measurement`` describes how the Gram is measured (e.g. ``"hooks+sketch(k=256,seed=0)+ranks(2)"``),
     for the run file's ``probe_method``.
@@ -110,7 +116,8 @@ class Probe:
     def __init__(self, model: nn.Module | None, agents: Sequence[str], roles: Mapping[str, str], *,
                  params: ParamsLike | None = None, groups: GroupSpec = None, method: str = "auto",
                  sketch: int | Sketch | None = None,
-                 process_group: dist.ProcessGroup | bool | None = None, check_every: int | None = 0) -> None:
+                 process_group: dist.ProcessGroup | bool | None = None, check_every: int | None = 0,
+                 grad_reduced: bool = False) -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
         missing = [a for a in agents if a not in roles]
@@ -135,19 +142,25 @@ class Probe:
         for (_, p), g in zip(named, group_index):
             self.group_sizes[g] += p.numel()
         self.method_name = _choose_method(method, model, named)
+        if grad_reduced and self.method_name != "hooks":
+            raise ProbeError("grad_reduced=True needs the hooks method (split reads each agent's gradient from .grad, "
+                             f"which is then not this rank's); got method {self.method_name!r}"
+                             + (" (auto: some probed parameters are not nn.Linear / nn.Embedding weights)"
+                                if method == "auto" else ""))
         params_only = [p for _, p in named]
         if self.process_group is not None:
             check_same_setup(self.process_group, {
                 "agents": self.agents, "parameter names": self.param_names, "groups": self.groups,
                 "parameter sizes": [str(p.shape) for p in params_only], "method": self.method_name,
-                "sketch": str(self.sketch)})
+                "sketch": str(self.sketch), "grad_reduced": str(bool(grad_reduced))})
         store: Store | None = None
         if self.sketch is not None:
             store = SketchStore(params_only, self.param_names, group_index, len(self.groups), len(agents),
                                 self.sketch, self.process_group)
         elif self.process_group is not None:
             store = FlatStore(params_only, group_index, len(self.groups), len(agents), self.process_group)
-        options = {"strict": method == "hooks", "check_every": check_every} if self.method_name == "hooks" else {}
+        options = ({"strict": method == "hooks", "check_every": check_every, "grad_reduced": bool(grad_reduced)}
+                   if self.method_name == "hooks" else {})
         self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
                                                  model=model, store=store, **options)
         self._index = {a: k for k, a in enumerate(self.agents)}
@@ -185,6 +198,19 @@ class Probe:
                                                    self._method.record, tuple(self._method.warnings))
         finally:
             self._open = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the probe carries from step to step (the method's self-check schedule and outcome,
+        its verified layer dimensions), plain Python values for a checkpoint."""
+        return {"method": self.method_name, "state": self._method.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output: the next steps are measured as the saved probe's would
+        be (a resumed run's ``/steps/method`` as an uninterrupted one's). ProbeError for another method's."""
+        if state["method"] != self.method_name:
+            raise ProbeError(f"the saved probe state is of method {state['method']!r}, this probe uses "
+                             f"{self.method_name!r}")
+        self._method.load_state_dict(state["state"])
 
     def close(self) -> None:
         """Remove whatever the method attached to the model (the hooks method's layer hooks)."""

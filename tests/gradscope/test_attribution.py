@@ -2,6 +2,8 @@
 split, per-row and scalar losses, and the method each record says measured it."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -167,6 +169,52 @@ def test_self_check_catches_a_misattributed_layer_and_names_it():
     assert methods == ["split-fallback:check-failed"] * 2
 
 
+@pytest.mark.parametrize("wrong", ["loss-rows-reversed", "tags-reversed"])
+def test_self_check_catches_rows_in_another_order_than_the_forward(wrong):
+    """The loss's rows in another order than the forward's (an untagged forward takes its rows' agents from
+    the loss), or row tags in the wrong order: hooks would silently give rows to the wrong agents. The
+    self-check (no row information) catches it: auto takes its (right) Gram, hooks raises."""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    rows = list(range(8))
+    expected = brute([case.call(rows)], lora_params(model))
+    order = rows[::-1]
+
+    def call(s):
+        if wrong == "loss-rows-reversed":
+            lp = case.logprobs(rows)[order]
+            ids = case.agent_ids[order]
+            return -case.adv[order] * lp * (ids >= 0) / case.n_total, ids
+        with s.rows(case.ROW_AGENT[order]):
+            lp = case.logprobs(rows)
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    call.tags = True
+    with pytest.warns(RuntimeWarning, match="self-check"):
+        result, _ = run(model, "auto", [call])
+    assert result.method == "split-fallback:check-failed" and rel_err(result.gram, expected) < 1e-10
+    with pytest.raises(ProbeError, match="self-check.*row tags"):
+        run(model, "hooks", [call])
+
+
+class LeakyRowMixer(RowMixer):
+    """RowMixer whose second weight is also used outside its layer: invisible to hooks and to the check."""
+
+    def forward(self, x):
+        return super().forward(x) + torch.nn.functional.linear(x, self.second.weight)
+
+
+def test_a_failed_check_still_catches_a_weight_used_outside_its_layer():
+    """The self-check differentiates at the hooked layers' outputs, so its Gram misses a use of the weight
+    outside the layer too: after a failed check (auto) the add-up check still runs, on the check's Gram."""
+    model = LeakyRowMixer()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    probe = Probe(model, AGENTS, ROLES)
+    with pytest.raises(ProbeError, match="do not add up"), pytest.warns(RuntimeWarning, match="self-check"):
+        with probe.step(0) as s:
+            s.backward_tokens(model(x).square().sum(1, keepdim=True), ROW_AGENT[:, None])
+
+
 class _no_warning:
     def __enter__(self):
         return self
@@ -200,6 +248,49 @@ def test_check_schedule():
     assert methods(2) == ["hooks+check", "hooks", "hooks+check", "hooks"]
     assert methods(None) == ["hooks"] * 4
     assert methods(0, scalar_first=True) == ["hooks", "hooks+check", "hooks", "hooks"]
+
+
+def test_probe_state_continues_the_check_schedule_and_its_outcome():
+    """A probe restored from another's state_dict (a resumed trainer's) records what the saved probe
+    would have: the check schedule continues (a fresh probe would check at once), a failed check
+    keeps split."""
+    model = lora_model("sp", torch.float32)
+    call = LMCase(model, "sp").call(list(range(8)))
+
+    def methods(probe, steps):
+        out = []
+        for step in steps:
+            model.zero_grad(set_to_none=True)
+            with probe.step(step) as s:
+                loss, ids = call(s)
+                s.backward_tokens(loss, ids)
+            out.append(s.result.method)
+        probe.close()
+        return out
+    first = Probe(model, AGENTS, ROLES, check_every=3)
+    assert methods(first, [0, 1]) == ["hooks+check", "hooks"]
+    resumed = Probe(model, AGENTS, ROLES, check_every=3)
+    resumed.load_state_dict(first.state_dict())
+    assert methods(resumed, [2, 3, 4]) == ["hooks", "hooks+check", "hooks"]
+    assert methods(Probe(model, AGENTS, ROLES, check_every=3), [2, 3, 4]) == ["hooks+check", "hooks", "hooks"]
+
+    layer, params, forward, agent_ids, expected = seq_first_case(T=4)
+    failed = Probe(layer, AGENTS, ROLES, params=params)
+    with pytest.warns(RuntimeWarning, match="sequence-first"), failed.step(0) as s:
+        s.backward_tokens(forward(), agent_ids)
+    assert s.result.method == "split-fallback:check-failed"
+    again = Probe(layer, AGENTS, ROLES, params=params)
+    again.load_state_dict(failed.state_dict())
+    layer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no check again (a fresh probe's would fail and warn)
+        with again.step(1) as s:
+            s.backward_tokens(forward(), agent_ids)
+    assert s.result.method == "split-fallback:check-failed" and not s.result.warnings
+    assert rel_err(s.result.gram, expected) < 1e-10
+    with pytest.raises(ProbeError, match="of method 'hooks'"):
+        Probe(layer, AGENTS, ROLES, params=params, method="split").load_state_dict(failed.state_dict())
+    failed.close(), again.close()
 
 
 # ---------------------------------------------------------------- per-row and scalar losses

@@ -121,10 +121,10 @@ def expand(spec: SweepSpec) -> list[Cell]:
 
 def cell_config(cell: Cell, parser: argparse.ArgumentParser | None = None, out: str | Path = "run.h5"):
     """The cell's TrainConfig (writing ``out``)."""
-    from gradscope.trainers.config import from_arguments
+    from gradscope.trainers.config import from_settings, settings
 
-    args = (parser or train_parser()).parse_args(cell.argv)
-    return dataclasses.replace(from_arguments(args), out=str(out))
+    args = vars((parser or train_parser()).parse_args(cell.argv))
+    return dataclasses.replace(from_settings({k: v for k, v in args.items() if k in settings()}), out=str(out))
 
 
 def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser, path: Path) -> None:
