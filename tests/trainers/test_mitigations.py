@@ -158,3 +158,15 @@ def test_mitigated_run_resumes_exactly(tmp_path):
         np.testing.assert_allclose(b.gram, a.gram, rtol=1e-5, atol=1e-12)
         scales = b.metrics_wide()["coherence_scale/voter"]
         assert (scales.iloc[1:] < 1).all()  # the regulariser acted after the first step
+
+
+def test_per_role_values_in_config_files_and_stored_configs(tmp_path):
+    from gradscope.trainers.config import load_config_file, stored_settings
+
+    good, bad = tmp_path / "run.yaml", tmp_path / "bad.yaml"
+    good.write_text("kl_coef: voter=0.05\ngrpo:\n  coherence_reg: 0.5\n")
+    assert load_config_file(str(good))[0] == {"kl_coef": "voter=0.05", "coherence_reg": 0.5}
+    assert stored_settings({"grpo": {"kl_coef": "voter=0.05,aggregator=0"}})["kl_coef"] == "voter=0.05,aggregator=0"
+    bad.write_text("kl_coef: voter=\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:1: kl_coef: bad per-role value 'voter='"):
+        load_config_file(str(bad))
