@@ -170,7 +170,7 @@ def test_a_killed_run_resumes_from_its_checkpoint(tmp_path):
                  .replace("[0.001, 0.002]", "0.001"))
     proc = _sweep(long, out, jobs=1)
     run = out / "runs" / "ip_lr=0.001_seed0.h5"
-    _wait_for(lambda: run_state(run, 300).state == RESUME, proc)
+    _wait_for(lambda: run_state(run, 300).state == RESUME and run_state(run, 300).steps_done >= 1, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     time.sleep(1)
