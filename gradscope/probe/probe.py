@@ -15,7 +15,9 @@ Each loss term must be normalised exactly as inside the full loss, so that ``Σ_
 
 Under torchrun (torch.distributed initialised with several ranks) the Gram is that of the global
 per-agent gradients, summed over ranks: see docs/distributed.md. ``sketch=k`` measures it through a
-k-dimensional random projection per parameter group (docs/probe.md, "Sketch mode").
+k-dimensional random projection per parameter group (docs/probe.md, "Sketch mode"). Given the
+loop's torch AdamW (``optimizer=`` or :meth:`Probe.attach`), every optimizer step is also split into
+per-role updates (docs/probe.md, "Update attribution"; ``probe.last_update``).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from gradscope.probe.method import GramMethod
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
 from gradscope.probe.store import FlatStore, Store
+from gradscope.probe.updates import UpdateAttribution, UpdateResult
 
 #: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
 METHODS: dict[str, type[GramMethod]] = {"split": SplitMethod, "hooks": HooksMethod}
@@ -91,6 +94,8 @@ class Probe:
             torch.distributed is initialised with more than one, a process group sums over its ranks,
             False keeps this rank's gradients only. Fixed at construction (``world_size``), and every
             rank of the group must build the probe alike and probe the same steps (collectives).
+        optimizer: a torch AdamW / Adam to attribute the updates of, as :meth:`attach` (None: none yet).
+        update_unit: ``"role"`` (default) or ``"agent"``: what the updates are split into.
 
     ``measurement`` describes how the Gram is measured (e.g. ``"hooks+sketch(k=256,seed=0)+ranks(2)"``),
     for the run file's ``probe_method``.
@@ -99,7 +104,8 @@ class Probe:
     def __init__(self, model: nn.Module | None, agents: Sequence[str], roles: Mapping[str, str], *,
                  params: ParamsLike | None = None, groups: GroupSpec = None, method: str = "auto",
                  sketch: int | Sketch | None = None,
-                 process_group: dist.ProcessGroup | bool | None = None) -> None:
+                 process_group: dist.ProcessGroup | bool | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, update_unit: str = "role") -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
         missing = [a for a in agents if a not in roles]
@@ -136,9 +142,13 @@ class Probe:
             store = FlatStore(params_only, group_index, len(self.groups), len(agents), self.process_group)
         self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
                                                  model=model, store=store)
+        self.params, self.group_index = params_only, group_index
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
         self.last: StepResult | None = None
+        self._updates: UpdateAttribution | None = None
+        if optimizer is not None:
+            self.attach(optimizer, update_unit)
 
     @property
     def measurement(self) -> str:
@@ -157,6 +167,8 @@ class Probe:
             raise ProbeError("a probed step is already open; steps cannot nest")
         self._open = True
         handle = ProbeStep(self, step, policy)
+        if self._updates is not None:
+            self._updates.begin()
         self._method.begin()
         try:
             yield handle
@@ -168,12 +180,41 @@ class Probe:
             if self.process_group is not None:
                 handle.tokens = all_reduce_sum_(torch.from_numpy(handle.tokens), self.process_group).numpy()
             handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens)
+            if self._updates is not None:
+                self._updates.collected(handle.result)
         finally:
             self._open = False
 
+    def attach(self, optimizer: torch.optim.Optimizer, unit: str = "role") -> None:
+        """Split every step of ``optimizer`` (torch AdamW or Adam) into per-``unit`` updates (``"role"`` or
+        ``"agent"``), from the per-agent gradients of the probed step before it; :attr:`last_update` holds
+        the latest. Other optimizers raise ProbeError (unavailable). Attach between probed steps,
+        before the optimizer's first step (moments it already holds count as ``unattributed``).
+        """
+        if self._open:
+            raise ProbeError("attach the optimizer between probed steps")
+        if self._updates is None:
+            self._updates = UpdateAttribution(self, self._method.store, unit)
+            self._method.store = self._updates.store  # per-agent gradients must be kept for the optimizer step
+        elif unit != self._updates.unit:
+            raise ProbeError(f"updates are already split by {self._updates.unit}; cannot also split by {unit}")
+        self._updates.attach(optimizer)
+
+    @property
+    def last_update(self) -> UpdateResult | None:
+        """The latest step of an attached optimizer since the last probed step began (None: none)."""
+        return None if self._updates is None else self._updates.last
+
+    @property
+    def update_unit(self) -> str | None:
+        """``"role"`` / ``"agent"`` once an optimizer is attached, else None."""
+        return None if self._updates is None else self._updates.unit
+
     def close(self) -> None:
-        """Remove whatever the method attached to the model (the hooks method's layer hooks)."""
+        """Remove whatever the probe attached: the hooks method's layer hooks, the optimizers' step hooks."""
         self._method.close()
+        if self._updates is not None:
+            self._updates.close()
 
     def agent_index(self, agent: str) -> int:
         try:
