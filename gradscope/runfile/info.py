@@ -39,7 +39,7 @@ def _age(path: str) -> str:
 def _last_record_summary(run: RunReader) -> str:
     """Total norm and per-role contribution shares of the last record, via gradscope.stats."""
     try:
-        from gradscope.stats import derive
+        from gradscope.stats import derive, derive_updates
     except ImportError:
         return "(statistics unavailable: gradscope.stats not importable)"
     meta = run.meta
@@ -50,7 +50,14 @@ def _last_record_summary(run: RunReader) -> str:
     total = float(cols["total_norm"])
     shares = ", ".join(f"{role} {float(cols[f'share/{role}']):.2f}"
                        for role in meta.roles if f"share/{role}" in cols)
-    return f"total norm {total:.4g}; shares: {shares or '(none)'}"
+    text = f"total norm {total:.4g}; shares: {shares or '(none)'}"
+    if meta.update_unit:
+        units = meta.roles if meta.update_unit == "role" else meta.agent_roles
+        upd = derive_updates(run.read("update_gram", -1)[0], run.read("update_interference", -1)[0], units,
+                             meta.agent_roles, meta.roles)
+        text += "; update shares: " + ", ".join(f"{c} {float(upd[f'update_share/{c}']):.2f}"
+                                                for c in [*meta.roles, "weight_decay"])
+    return text
 
 
 def render_info(path: str | os.PathLike[str]) -> str:
@@ -74,6 +81,8 @@ def render_info(path: str | os.PathLike[str]) -> str:
         add("versions", _names([f"{k} {v}" for k, v in meta.versions.items()], limit=20))
         add("seed", "(none)" if meta.seed is None else str(meta.seed))
         add("probe method", meta.probe_method or "(unknown)")
+        add("updates", f"split by {meta.update_unit} into {', '.join(meta.update_components)}"
+            if meta.update_unit else "(no update attribution)")
         add("agents", ", ".join(f"{a} ({r})" for a, r in zip(meta.agents, meta.agent_roles)))
         count = Counter(meta.agent_roles)
         add("roles", ", ".join(f"{r} x{count.get(r, 0)}" for r in meta.roles))

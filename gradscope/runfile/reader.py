@@ -152,7 +152,8 @@ class RunReader:
 
     def _check_datasets(self) -> None:
         meta = self.meta
-        fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names))
+        fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names),
+                                    len(meta.update_components))
         wanted = [f"{schema.STEPS}/{name}" for name in fields]
         wanted += [*schema.TABLES, schema.COMMITTED]
         missing = [name for name in wanted if not isinstance(self._f.get(name), h5py.Dataset)]
@@ -297,6 +298,22 @@ class RunReader:
         return self._cached("group_gram") if "group_gram" in self._step_ds else None
 
     @property
+    def update_gram(self) -> np.ndarray | None:
+        """(N, C, C) float64 update-component Grams (``meta.update_components``; NaN = not logged), or
+        None when the run has no update attribution."""
+        return self._cached("update_gram") if "update_gram" in self._step_ds else None
+
+    @property
+    def update_interference(self) -> np.ndarray | None:
+        """(N, C, K) float64 ``<Δθ_a, g_l>`` (NaN = not logged), or None without update attribution."""
+        return self._cached("update_interference") if "update_interference" in self._step_ds else None
+
+    @property
+    def update_grad_scale(self) -> np.ndarray | None:
+        """(N,) float64 clipping factor c per record (NaN = not logged), or None without update attribution."""
+        return self._cached("update_grad_scale") if "update_grad_scale" in self._step_ds else None
+
+    @property
     def tokens(self) -> np.ndarray:
         """(N, K) int64 tokens per agent."""
         return self._cached("tokens")
@@ -380,13 +397,19 @@ class RunReader:
     # --- derived statistics --------------------------------------------------------------------
 
     def stats(self) -> pd.DataFrame:
-        """One row per record: step, opt_step, policy, then every column of ``gradscope.stats.derive``."""
+        """One row per record: step, opt_step, policy, then every column of ``gradscope.stats.derive`` and,
+        with update attribution, of ``gradscope.stats.derive_updates``."""
         import pandas as pd
 
-        from gradscope.stats import derive  # lazy: the reader works without the stats module
+        from gradscope.stats import derive, derive_updates  # lazy: the reader works without the stats module
 
+        meta = self.meta
         cols: dict[str, Any] = {"step": self.step, "opt_step": self.opt_step, "policy": self.policy}
-        cols.update(derive(self.gram, self.tokens, self.meta.agents, self.meta.agent_roles))
+        cols.update(derive(self.gram, self.tokens, meta.agents, meta.agent_roles))
+        if meta.update_unit:
+            units = meta.roles if meta.update_unit == "role" else meta.agent_roles
+            cols.update(derive_updates(self.update_gram, self.update_interference, units, meta.agent_roles,
+                                       meta.roles))
         return pd.DataFrame(cols)
 
     # --- lifetime ------------------------------------------------------------------------------

@@ -155,7 +155,7 @@ def test_plain_h5py_layout(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     want = write_random_run(path, n=12, flush_every=4)
     with h5py.File(path, "r") as f:
-        assert f.attrs["format"] == "gradscope-run" and f.attrs["schema_version"] == "1.0"
+        assert f.attrs["format"] == "gradscope-run" and f.attrs["schema_version"] == SCHEMA_VERSION
         assert json.loads(f.attrs["agents"]) == AGENTS
         assert json.loads(f.attrs["scalar_names"]) == ["loss", "lr", "kl/voter"]
         assert json.loads(f["steps/scalars"].attrs["names"]) == ["loss", "lr", "kl/voter"]
@@ -546,7 +546,7 @@ def test_render_info(tmp_path: Path) -> None:
     text = render_info(path)
     last_acc = [v for _, name, v in want["evals"] if name == "accuracy"][-1]
     n_metrics = len(want["metrics"])
-    for needle in ("schema 1.0", "closed cleanly", "voter0 (voter)", "aggregator x1", "voter_lora",
+    for needle in (f"schema {SCHEMA_VERSION}", "closed cleanly", "voter0 (voter)", "aggregator x1", "voter_lora",
                    "layer0 (4,096 params)", "split", "37 complete", "0 .. 18", "loss, lr, kl/voter",
                    f"last accuracy {last_acc:.4g}", "amplification", "total norm", "shares: voter",
                    f"{n_metrics} rows at 18 steps; 4 names: reward/mean, update_norm/voter_lora, "
