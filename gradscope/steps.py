@@ -56,3 +56,15 @@ def shared_set_stats(gram: np.ndarray, tokens: np.ndarray, agent_roles: list[str
     return {"share": stats.contribution_shares(M, P),
             "token_share": stats.token_shares(tok, P),
             "per_token_share": stats.per_token_shares(M, tok, P)}
+
+
+def set_update_shares(update_gram: np.ndarray, unit_roles: list[str], roles: list[str],
+                      set_roles: list[str]) -> np.ndarray:
+    """(N, R_set) update shares ``<Δθ_r, Δθ>/‖Δθ‖²`` of the roles training one parameter set.
+
+    ``update_gram`` (N, C, C) update-component Grams, ``unit_roles`` the role of each of its units,
+    ``roles`` all roles. The share is of the whole update (weight decay and unattributed included), so
+    a set's role shares sum to 1 minus those two; roles outside the set move none of its parameters.
+    """
+    Q, names = stats.update_indicator(unit_roles, roles)
+    return stats.contribution_shares(update_gram, Q)[..., [names.index(r) for r in set_roles]]

@@ -48,6 +48,7 @@ def _write(folder: Path, final: Path, step: int, model, updater, rng: list[dict]
         "step": step,
         "adapters": {n: p.detach().cpu() for ps in adapter_parameters(model).values() for n, p in ps},
         "optimizers": {a: opt.state_dict() for a, opt in updater.optimizers.items()},
+        "update_moments": updater.probe.update_state(),  # per-role first moments (--probe-updates)
         "world_size": len(rng),
         "rng": rng,  # one entry per rank
     }, tmp / "state.pt")
@@ -78,6 +79,8 @@ def load_checkpoint(folder: Path, model, updater, trainer) -> int:
                           f"this run has {trainer.dist.world}; resume with the same world size")
     for adapter, opt in updater.optimizers.items():
         opt.load_state_dict(state["optimizers"][adapter])
+    if state.get("update_moments") is not None and updater.probe.update_unit:
+        updater.probe.load_update_state(state["update_moments"])
     rng = state["rng"][trainer.dist.rank]
     updater.rng.setstate(rng["updater_rng"])
     trainer.task_rng.setstate(rng["task_rng"])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gradscope.peft_support import use_adapter
-from gradscope.probe import Probe, StepResult
+from gradscope.probe import Probe, StepResult, UpdateResult
 from gradscope.trainers.distributed import Dist
 from gradscope.trainers.flags import flag
 from gradscope.trainers.policy import PolicyMap
@@ -85,6 +85,7 @@ class OptimizerStep:
     policy: str
     result: StepResult
     scalars: dict[str, float]
+    update: UpdateResult | None = None  # the step's update attribution (probe.attach; None: off or skipped)
 
 
 class GRPOUpdater:
@@ -190,11 +191,12 @@ class GRPOUpdater:
             optimizer.zero_grad(set_to_none=True)
         if result is None:
             return None
+        update = self.probe.last_update  # None when the step was skipped or nothing is attached
         loss, clipped, kl, samples = dist.sum([*totals, len(batch)])  # one collective for all four
         return OptimizerStep(adapter, result, {
             "loss": loss, "clip_frac": clipped / max(n_tokens, 1), "grad_norm": grad_norm,
             "lr": optimizer.param_groups[0]["lr"], "samples": int(samples),
-            "tokens": n_tokens, "kl": kl / max(n_tokens, 1)})
+            "tokens": n_tokens, "kl": kl / max(n_tokens, 1)}, update)
 
     def _token_loss(self, adapter: str, batch: Sequence[TrainSample], n_tokens: int
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], np.ndarray]:

@@ -40,6 +40,7 @@ from gradscope.trainers.workflows import WORKFLOWS, Templates
 from gradscope.trainers.workflows.base import Episode, Workflow
 
 PROBE_SPECS = ("gram", "gram,groups", "none")
+UPDATE_UNITS = ("off", "role", "agent")
 SOLVER_ROLES = ("voter", "generator", "worker")
 
 
@@ -60,6 +61,11 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.probe_sketch < 0:
         raise ConfigError("--probe-sketch must be >= 0")
+    if cfg.probe_updates not in UPDATE_UNITS:
+        raise ConfigError(f"unknown --probe-updates {cfg.probe_updates!r}; use one of {UPDATE_UNITS}")
+    if cfg.probe_updates != "off" and (cfg.probe == "none" or cfg.probe_every != 1):
+        raise ConfigError("--probe-updates needs every optimizer step probed (--probe gram, --probe-every 1): "
+                          "the per-role moments follow every step's per-agent gradients")
     world = world_size_from_env()
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
@@ -113,6 +119,9 @@ class Trainer:
                            groups="adapter" if cfg.probe == "gram,groups" else None,
                            sketch=cfg.probe_sketch or None)  # after the process group: it sums over ranks
         self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed, dist)
+        if cfg.probe_updates != "off":
+            for optimizer in self.updater.optimizers.values():
+                self.probe.attach(optimizer, cfg.probe_updates)
         self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.grpo.temperature)
         self.scorer = Scorer()
@@ -126,7 +135,8 @@ class Trainer:
                        groups=self.probe.groups if per_group else [],
                        group_sizes=self.probe.group_sizes if per_group else [],
                        config={**json.loads(json.dumps(dataclasses.asdict(self.cfg))), "world_size": self.dist.world},
-                       seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS)
+                       seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS,
+                       update_unit=self.probe.update_unit or "")
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:
@@ -198,7 +208,8 @@ class Trainer:
         wf = self.workflow
         return Monitor(self.rules if self.dist.is_main else [], list(wf.agents), [wf.agent_roles[a] for a in wf.agents],
                        policies=self.policy.adapters, checkpoint=checkpoint,
-                       stop=lambda alert: None, **({"echo": self.echo} if self.echo else {}))
+                       stop=lambda alert: None, update_unit=self.probe.update_unit or "",
+                       **({"echo": self.echo} if self.echo else {}))
 
     def train_step(self, step: int, writer: RunWriter, monitor: Monitor | None = None) -> dict[str, float]:
         cfg = self.cfg
@@ -212,7 +223,8 @@ class Trainer:
         logged, metrics = self.updater.update(step, episodes, cfg.grpo.mini_batch_size, probed)
         for o in logged:
             writer.log_step(step, o.result.gram, o.result.tokens, policy=o.policy, scalars=o.scalars,
-                            group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None)
+                            group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None,
+                            update=o.update)
         metrics.update(_episode_metrics(self._everyone(episodes), prefix="train/"))
         metrics["time/rollout"], metrics["time/update"] = t1 - t0, time.perf_counter() - t1
         writer.log_metrics(step, metrics)
@@ -220,7 +232,8 @@ class Trainer:
             if logged:
                 monitor.step(step, np.stack([o.result.gram for o in logged]),
                              np.stack([o.result.tokens for o in logged]),
-                             [o.policy for o in logged], [o.scalars for o in logged])
+                             [o.policy for o in logged], [o.scalars for o in logged],
+                             *_stack_updates(logged, len(self.probe.agents)))
             monitor.metrics(step, metrics)
         return metrics
 
@@ -236,6 +249,18 @@ class Trainer:
     def _everyone(self, episodes: list[Episode]) -> list[Episode]:
         """Every rank's episodes (rank order), for metrics over the whole step or held-out set."""
         return [ep for part in self.dist.gather(episodes) for ep in part] if self.dist.active else episodes
+
+
+def _stack_updates(logged: Sequence, n_agents: int) -> tuple[np.ndarray, np.ndarray] | tuple[()]:
+    """(N, C, C) update Grams and (N, C, K) interference of the logged steps, NaN where a step has none
+    (skipped); () without update attribution."""
+    shapes = {o.update.gram.shape[0] for o in logged if o.update is not None}
+    if not shapes:
+        return ()
+    C = shapes.pop()
+    grams = [np.full((C, C), np.nan) if o.update is None else o.update.gram for o in logged]
+    inter = [np.full((C, n_agents), np.nan) if o.update is None else o.update.interference for o in logged]
+    return np.stack(grams), np.stack(inter)
 
 
 def _episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:

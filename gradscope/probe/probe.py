@@ -205,6 +205,16 @@ class Probe:
         """The latest step of an attached optimizer since the last probed step began (None: none)."""
         return None if self._updates is None else self._updates.last
 
+    def update_state(self) -> list[dict[int, torch.Tensor]] | None:
+        """The per-unit first moments of the attached optimizers, to save with their own state (None: none)."""
+        return None if self._updates is None else self._updates.state_dict()
+
+    def load_update_state(self, state: list[dict[int, torch.Tensor]]) -> None:
+        """Restore :meth:`update_state` (same optimizers, attached in the same order)."""
+        if self._updates is None:
+            raise ProbeError("no optimizer is attached: nothing to restore update-attribution state into")
+        self._updates.load_state_dict(state)
+
     @property
     def update_unit(self) -> str | None:
         """``"role"`` / ``"agent"`` once an optimizer is attached, else None."""

@@ -318,6 +318,17 @@ class UpdateAttribution:
             tracker.close()
         self.trackers = []
 
+    def state_dict(self) -> list[dict[int, torch.Tensor]]:
+        """The per-unit moments of every attached optimizer (attach order), for a checkpoint."""
+        return [{i: m.detach().cpu().clone() for i, m in t.moments.items()} for t in self.trackers]
+
+    def load_state_dict(self, state: list[dict[int, torch.Tensor]]) -> None:
+        """Restore :meth:`state_dict` into the same optimizers, attached in the same order."""
+        if len(state) != len(self.trackers):
+            raise ProbeError(f"update-attribution state of {len(state)} optimizers for {len(self.trackers)} attached")
+        for tracker, moments in zip(self.trackers, state):
+            tracker.moments = {i: m.to(self.params[i].device, self.store.dtype) for i, m in moments.items()}
+
 
 def _check_adam(optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
