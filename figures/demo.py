@@ -19,7 +19,8 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
     """Write the figures of the demo's runs into ``out_dir`` (default: the first run's folder).
 
     Writes ``cliffs`` (every run, one column each), ``ip_vs_sp`` (when both policies are there),
-    ``<run>_shares`` for each SP run, ``<run>_alignment`` for each run, and the summary table
+    ``<run>_shares`` for each SP run, ``<run>_alignment`` for each run, ``<run>_updates`` for each run
+    with update attribution, and the summary table
     ``summary.md``. A figure that does not apply (e.g. shares of an IP run) is skipped and
     ``on_skip`` is told why; unreadable run files raise RunFileError. Returns the paths written.
     """
@@ -28,6 +29,7 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
     from gradscope.figures.ipsp import ip_vs_sp_figure
     from gradscope.figures.shares import shares_figure
     from gradscope.figures.table import format_table, summary_table
+    from gradscope.figures.updates import updates_figure
 
     series = [data.load(p)[0] for p in paths]
     if not series:
@@ -50,6 +52,8 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
         if s.shared_sets:
             attempt(f"{data.stem(s)}_shares", lambda s=s: shares_figure(s))
         attempt(f"{data.stem(s)}_alignment", lambda s=s: alignment_figure(s))
+        if s.has_updates:
+            attempt(f"{data.stem(s)}_updates", lambda s=s: updates_figure(s))
     table = out / "summary.md"
     table.write_text(format_table(summary_table(series), "md"))
     written.append(table)

@@ -40,6 +40,7 @@ __all__ = [
     "interference",
     "mass_shares",
     "noise_scale",
+    "norm_shares",
     "per_token_shares",
     "role_gram",
     "role_indicator",
@@ -251,6 +252,15 @@ def mass_shares(M: ArrayLike, P: ArrayLike) -> np.ndarray:
     """(..., R) gradient-mass shares ``||g_r|| / sum_s ||g_s||``; all 0 if every role norm is 0."""
     Mc, P, ok = _prepare(M, P)
     return _nan_where_bad(_normalise(_sqrt_diag(_role_gram(Mc, P))), ok, 1)
+
+
+def norm_shares(norms: ArrayLike) -> np.ndarray:
+    """(..., R) ``x_r / Σ_s x_s`` of per-role norms (gradient or update) given directly, e.g. per-step
+    means; all 0 when every norm is 0, NaN where any is non-finite. ``mass_shares(M, P)`` is
+    ``norm_shares(role_norms(M, P))``."""
+    x = np.asarray(norms, dtype=np.float64)
+    ok = np.asarray(np.isfinite(x).all(axis=-1))
+    return _nan_where_bad(_normalise(np.where(ok[..., None], x, 0.0)), ok, 1)
 
 
 def token_shares(tokens: ArrayLike, P: ArrayLike) -> np.ndarray:

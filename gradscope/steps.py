@@ -41,6 +41,12 @@ def present(role_norms: np.ndarray) -> np.ndarray:
     return np.nan_to_num(role_norms, nan=0.0) > 0
 
 
+def component_present(role_norms: np.ndarray) -> np.ndarray:
+    """(N, R + 2) bool: update components that count in a record — a role's where it has a gradient
+    (:func:`present`), the two extras (unattributed, weight decay) always."""
+    return np.concatenate([present(role_norms), np.ones((len(role_norms), len(stats.UPDATE_EXTRAS)), bool)], axis=1)
+
+
 def shared_set_stats(gram: np.ndarray, tokens: np.ndarray, agent_roles: list[str],
                      set_roles: list[str]) -> dict[str, np.ndarray]:
     """Per-record shares of the roles training one parameter set, each (N, R_set).

@@ -24,7 +24,8 @@ def run_demo(out_dir: str | Path, steps: int = 100) -> list[Path]:
     for policy in ("ip", "sp"):
         t0 = time.perf_counter()
         cfg = TrainConfig(workflow="voting", task="math", policy=policy, steps=steps, eval_every=10,
-                          out=str(out_dir / f"{policy}.h5"), overwrite=True, checkpoint_every=0)
+                          out=str(out_dir / f"{policy}.h5"), overwrite=True, checkpoint_every=0,
+                          probe_updates="role")
         paths.append(run_with_progress(Trainer(cfg, verbose=True)))
         print(summary(paths[-1]) + f"\n  time      {time.perf_counter() - t0:.0f} s", flush=True)
     return paths

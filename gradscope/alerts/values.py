@@ -86,20 +86,21 @@ class StepValues:
         return out
 
     def _updates(self, UG: np.ndarray, UI: np.ndarray, present: np.ndarray) -> dict[str, float]:
-        """Per-role update norms, update cosines and interference between roles (over records where
-        the roles have a gradient)."""
+        """Per-role update norms and update cosines (over records where the roles have a gradient), and
+        interference between roles (over records where the updating role has one)."""
         one, R = np.zeros(len(UG), dtype=np.int64), len(self.roles)
         Q, _ = stats.update_indicator(self.unit_roles, self.roles)
         out = {}
         if self._want("role_update_norm"):
             norms = steps.step_mean(stats.role_norms(UG, Q)[:, :R], one, 1, present)[0]
             out.update({f"role_update_norm[{r}]": norms[j] for j, r in enumerate(self.roles)})
-        both = present[:, :, None] & present[:, None, :]
+        masks = {"update_cosine": present[:, :, None] & present[:, None, :],  # both roles trained
+                 "interference": np.repeat(present[:, :, None], R, axis=2)}  # the updating role trained
         for name, values in (("update_cosine", lambda: stats.cosine(stats.role_gram(UG, Q))[:, :R, :R]),
                              ("interference", lambda: stats.interference(UI, Q, self.P)[:, :R, :R])):
             if not self._want(name):
                 continue
-            mean = steps.step_mean(values(), one, 1, both)[0]
+            mean = steps.step_mean(values(), one, 1, masks[name])[0]
             for i, j in zip(*np.triu_indices(R, k=1)):
                 out[f"{name}[{self.roles[i]}|{self.roles[j]}]"] = mean[i, j]
                 if name == "interference":  # not symmetric: r's update on s's loss, both ways
