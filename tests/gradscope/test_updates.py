@@ -303,3 +303,31 @@ def test_other_optimizers_and_misuse_are_clear_errors():
     before = copy.deepcopy(opt.state)
     opt.step()  # hooks removed by close(): nothing recorded, nothing raised
     assert probe.last_update is None and not before
+
+
+def test_two_ranks_give_the_one_process_split(tmp_path):
+    """torchrun, 2 ranks (gloo): every rank's update attribution equals one process on the whole batch,
+    exact and sampled (the coordinate sample is summed over the ranks like the sketch)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.gradscope.updates_dist_child import SKETCHES, run_updates
+
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", "--master_addr=127.0.0.1",
+           f"--master_port={port}", str(Path(__file__).with_name("updates_dist_child.py")), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name, sketch in SKETCHES.items():
+        single = run_updates([list(range(8))], lambda n: n, sketch)
+        for r in (0, 1):
+            rank = np.load(tmp_path / f"rank{r}.npz")
+            assert rel(rank[f"{name}/gram"], single["gram"]) < 1e-8
+            assert rel(rank[f"{name}/interference"], single["interference"]) < 1e-8
