@@ -34,7 +34,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from gradscope.figures.demo import demo_figures
     from gradscope.trainers.demo import run_demo
 
-    paths = [str(p) for p in run_demo(args.out, steps=args.steps)]
+    paths = [str(p) for p in run_demo(args.out, steps=args.steps, threads=args.threads)]
     print("\n" + analyze_runs(paths))
     print("\nfigures:")
     for figure in demo_figures(paths, args.out):
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: train Voting/math with IP and SP on the testbed")
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
     p.add_argument("--steps", type=int, default=100, help="training steps per run")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (default 0: one, the fastest for the testbed on a shared machine)")
     p.set_defaults(func=_cmd_demo)
 
     from gradscope.analyses.cli import add_threshold_arguments  # numpy/pandas only, no torch

@@ -46,15 +46,20 @@ class TrainConfig:
     alerts: str | None = flag(None, "YAML file of alert rules")
     default_alerts: bool = flag(True, "the built-in alert rules (warn + record); --no-default-alerts: off")
     dist_timeout: float = flag(300.0, "under torchrun: seconds a collective may wait for a silent rank")
+    threads: int = flag(0, "torch intra-op threads per process (0: 1 for the testbed on CPU, torch's default "
+                           "otherwise)")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def resolved(self) -> "TrainConfig":
         """A copy with the model-dependent defaults filled in."""
         testbed = self.model == "testbed"
+        import torch  # only here: building the flags must not load torch
+
         grpo = dataclasses.replace(self.grpo, lr=self.grpo.lr if self.grpo.lr > 0 else (1e-3 if testbed else 2e-5),
                                    mini_batch_size=self.grpo.mini_batch_size or self.tasks_per_step * self.grpo.group_size)
         return dataclasses.replace(
             self, grpo=grpo,
+            threads=self.threads or (1 if testbed and not torch.cuda.is_available() else torch.get_num_threads()),
             lora_rank=self.lora_rank or (8 if testbed else 64),
             lora_alpha=self.lora_alpha or (16.0 if testbed else 32.0),
             max_new_tokens=self.max_new_tokens or (24 if testbed else 1024),

@@ -14,17 +14,26 @@ import numpy as np
 from gradscope.runfile import open_run
 from gradscope.trainers.cli import run_with_progress
 from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.testbed import cache
 from gradscope.trainers.train import Trainer
 
 
-def run_demo(out_dir: str | Path, steps: int = 100) -> list[Path]:
+#: Seconds per demo training step (rollout, update, probe, amortised evaluation) on one idle core.
+SECONDS_PER_STEP = 0.45
+
+
+def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"demo: Voting/math, IP then SP, {steps} steps each; torch threads: "
+          f"{threads or '1 (testbed default; --threads N for more)'}; expected about "
+          f"{2 * steps * SECONDS_PER_STEP / 60:.0f} min on an idle machine, plus about "
+          f"{cache.EXPECTED_SECONDS / 60:.0f} min once to build the testbed warm start", flush=True)
     paths = []
     for policy in ("ip", "sp"):
         t0 = time.perf_counter()
         cfg = TrainConfig(workflow="voting", task="math", policy=policy, steps=steps, eval_every=10,
-                          out=str(out_dir / f"{policy}.h5"), overwrite=True, checkpoint_every=0,
+                          out=str(out_dir / f"{policy}.h5"), overwrite=True, checkpoint_every=0, threads=threads,
                           probe_updates="role")
         paths.append(run_with_progress(Trainer(cfg, verbose=True)))
         print(summary(paths[-1]) + f"\n  time      {time.perf_counter() - t0:.0f} s", flush=True)

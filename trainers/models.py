@@ -50,7 +50,7 @@ def load_base(model: str, seed: int, verbose: bool = False):
     device, dtype = device_and_dtype()
     if model == TESTBED:
         from gradscope.trainers.testbed.tokenizer import build_tokenizer
-        from gradscope.trainers.testbed.warmstart import warm_started_model
+        from gradscope.trainers.testbed.cache import warm_started_model
 
         return warm_started_model(verbose=verbose).to(device), build_tokenizer(), "testbed"
     from transformers import AutoModelForCausalLM, AutoTokenizer

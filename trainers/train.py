@@ -66,6 +66,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     if cfg.probe_updates != "off" and (cfg.probe == "none" or cfg.probe_every != 1):
         raise ConfigError("--probe-updates needs every optimizer step probed (--probe gram, --probe-every 1): "
                           "the per-role moments follow every step's per-agent gradients")
+    if cfg.threads < 0:
+        raise ConfigError("--threads must be >= 0 (0: automatic)")
     world = world_size_from_env()
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
@@ -99,6 +101,9 @@ class Trainer:
         self.stopped_by: Alert | None = None  # the alert whose ``stop`` ended the run
         self.stopped_after = 0                 # ... after this training step
         self.cfg = cfg = cfg.resolved()
+        # One thread for the testbed: its hidden-128 matrices gain nothing from a second, and OpenMP
+        # barriers stall every small op on a shared machine (2x slower with two threads, docs/training.md).
+        torch.set_num_threads(cfg.threads)
         self.dist = dist = Dist.from_env(cfg.dist_timeout)  # a rendezvous: every rank has validated
         self.verbose = verbose and dist.is_main
         random.seed(cfg.seed)

@@ -164,6 +164,7 @@ class HooksMethod(GramMethod):
         self._missed = False
         self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients
         self._grad0: list[torch.Tensor | None] = []
+        self._magnitude: dict[int, torch.Tensor] = {}  # param index → Σ_tokens ‖G_t‖‖A_t‖ (float64 scalar)
         self.fallback_calls = 0  # calls that went through split, since construction
 
     # ------------------------------------------------------------------ hooks
@@ -193,12 +194,24 @@ class HooksMethod(GramMethod):
             self._missed = True  # reached by this backward but not one of its forwards
             return
         with torch.no_grad():
-            if piece.layer.embedding:
-                self._embedding_rows(piece.layer, forward, x, grad)
+            layer = piece.layer
+            if layer.embedding:
+                self._add_magnitude(layer.weight, grad.reshape(-1, grad.shape[-1]).double().norm(dim=1).sum())
+                self._embedding_rows(layer, forward, x, grad)
             else:
                 A = x.reshape(forward.rows, -1, x.shape[-1]).to(self.dtype)
                 G = grad.reshape(forward.rows, -1, grad.shape[-1]).to(self.dtype)
-                (self._linear if self.store is None else self._linear_to_store)(piece.layer, forward, A, G)
+                g_norm = G.norm(dim=-1).double()
+                if layer.weight is not None:
+                    self._add_magnitude(layer.weight, (A.norm(dim=-1).double() * g_norm).sum())
+                if layer.bias is not None:
+                    self._add_magnitude(layer.bias, g_norm.sum())
+                (self._linear if self.store is None else self._linear_to_store)(layer, forward, A, G)
+
+    def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
+        """Add to ``Σ_tokens ‖G_t‖‖A_t‖`` of ``params[i]``: the Frobenius norm bound of the rank-one terms that
+        autograd (and this method) sum into the gradient, which scales their rounding error."""
+        self._magnitude[i] = value if i not in self._magnitude else self._magnitude[i] + value
 
     # ------------------------------------------------------------------ per-agent contributions
     def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor) -> None:
@@ -345,6 +358,7 @@ class HooksMethod(GramMethod):
         """Per-group Grams: the store's, or ``D Dᵀ`` per dense parameter (in the accumulation dtype, summed in
         float64) plus the ghost / touched-rows Grams of the layers still holding token rows."""
         try:
+            ghost = self._ghost_params()
             if self.store is None:
                 grams = self._local_grams()
                 total, diag = grams.sum((1, 2)), np.diagonal(grams, axis1=1, axis2=2)
@@ -352,7 +366,7 @@ class HooksMethod(GramMethod):
             else:  # check this rank's contributions before the store sums the ranks'
                 total, diag = self.store.sums()
                 delta_sq = self.store.norms_sq(self._deltas())
-            bad = self._check(total, diag, delta_sq)
+            bad = self._check(total, diag, delta_sq, ghost)
             if self.store is not None:
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
@@ -395,7 +409,7 @@ class HooksMethod(GramMethod):
         self._handles = []
 
     def _reset(self) -> None:
-        self._dense, self._grad0 = {}, []
+        self._dense, self._grad0, self._magnitude = {}, [], {}
         self._in_call = False
         for layer in self.layers:
             layer.rows, layer.n_rows = [], 0
@@ -407,26 +421,56 @@ class HooksMethod(GramMethod):
                 g0 = self._grad0[i]
                 yield i, p.grad.detach() if g0 is None else p.grad.detach().double() - g0.double()
 
-    def _check(self, total: np.ndarray, diag: np.ndarray, delta_sq: np.ndarray) -> list[int]:
+    def _ghost_params(self) -> set[int]:
+        """The weights still in ghost form (their Gram is summed from token-pair products)."""
+        return {layer.weight for layer in self.layers
+                if layer.rows and not layer.embedding and layer.weight not in self._dense}
+
+    def _check(self, total: np.ndarray, diag: np.ndarray, delta_sq: np.ndarray, ghost: set[int]) -> list[int]:
         """The groups whose Gram does not add up to the gradient: ``Σ_kl M^g_kl`` (total, (G,)) must equal
-        ``‖Δ.grad_g‖²`` (delta_sq, through the store's map), to rounding scaled by ``M^g_kk`` (diag, (G, K)).
+        ``‖Δ.grad_g‖²`` (delta_sq, through the store's map) to within :func:`add_up_tolerance`.
 
         Catches a probed weight that is also used outside its module's forward (hooks cannot see that).
         """
         if not (np.isfinite(total).all() and np.isfinite(diag).all()):
             return []
-        before_sq = np.zeros(self.n_groups)
-        eps = 0.0
+        magnitude_sq, ghost_sq, before_sq = np.zeros(self.n_groups), np.zeros(self.n_groups), np.zeros(self.n_groups)
+        dtypes = set()
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
+            g = self.group_index[i]
+            dtypes.add(p.grad.dtype)
+            if i in self._magnitude:
+                m_sq = float(self._magnitude[i]) ** 2
+                magnitude_sq[g] += m_sq
+                ghost_sq[g] += m_sq if i in ghost else 0.0
             if self._grad0[i] is not None:
-                before_sq[self.group_index[i]] += float(self._grad0[i].double().square().sum())
-            eps = max(eps, torch.finfo(p.grad.dtype).eps)
-        tol = {torch.finfo(torch.float64).eps: 1e-8, torch.finfo(torch.float32).eps: 1e-4}.get(eps, 3e-2)
+                before_sq[g] += float(self._grad0[i].double().square().sum())
+        if not dtypes:
+            return []
+        tol, eps = add_up_tolerance(min(dtypes, key=lambda d: torch.finfo(d).bits))
         scale = np.square(np.sqrt(np.clip(diag, 0, None)).sum(1))
-        allowed = tol * scale + 10 * eps * np.sqrt(before_sq * scale) + 1e-30
+        summands = np.sqrt(magnitude_sq) + np.sqrt(before_sq)
+        allowed = (tol * scale + eps * (summands * (np.sqrt(delta_sq) + np.sqrt(np.clip(total, 0, None))) + ghost_sq)
+                   + np.finfo(np.float64).tiny)
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
+
+
+def add_up_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """``(tol, eps)`` of the add-up check for gradients of ``dtype``.
+
+    ``|Σ_kl M_kl − ‖Δ.grad‖²|`` may be at most ``tol · (Σ_k ‖g_k‖)² + eps · (S (‖Δ.grad‖ + ‖Σ_k g_k‖) + S_ghost²)``:
+    the first term is rounding relative to the agents' gradients (1e-4 fp32, 1e-8 fp64, 3e-2 16-bit);
+    the second is rounding relative to what was summed into them. ``S`` bounds the norm of the
+    rank-one token terms ``G_t A_tᵀ`` (``Σ_t ‖G_t‖‖A_t‖`` per weight, root-sum-square over the group's
+    weights, plus ‖.grad‖ before the step); when they cancel (two identical rows with opposite
+    advantages) the gradient is rounding noise of size ``eps · S`` that no relative tolerance allows.
+    ``S_ghost²`` covers ghost weights, whose Gram is summed from products of token pairs. ``eps`` is
+    64 machine epsilons, at most ``tol``.
+    """
+    tol = {torch.float64: 1e-8, torch.float32: 1e-4}.get(dtype, 3e-2)
+    return tol, min(tol, 64 * torch.finfo(dtype).eps)
 
 
 def _row_agents(agent_ids: torch.Tensor) -> torch.Tensor | None:

@@ -38,7 +38,7 @@ def test_stop_ends_a_real_run_cleanly(tmp_path):
 def test_checkpoint_action_writes_loadable_adapters(tmp_path):
     from peft import PeftModel
 
-    from gradscope.trainers.testbed.warmstart import warm_started_model
+    from gradscope.trainers.testbed.cache import warm_started_model
 
     cfg = small(tmp_path, steps=2, default_alerts=False,
                 alert=["grad_norm[voter] > 0 cooldown 100: checkpoint", "acc_drop >= 0 cooldown 100: checkpoint"])

@@ -15,7 +15,7 @@ import pytest
 
 from gradscope.runfile import open_run
 
-from .test_train import GRADSCOPE
+from .test_train import GRADSCOPE, assert_total_matches_grad_norm
 
 pytestmark = pytest.mark.slow
 SMALL = ["--tasks-per-step", "2", "--group-size", "4", "--n-held-out", "4", "--n-train", "40"]
@@ -57,7 +57,7 @@ def test_two_ranks_stop_cleanly_with_a_global_gram(tmp_path):
         assert run.closed and sorted(set(run.step)) == [1, 2]
         assert run.events["kind"].iloc[-1] == "stop"
         # the Gram is of the global gradient: its total equals the all-reduced gradient's norm
-        np.testing.assert_allclose(np.sqrt(run.gram.sum(axis=(1, 2))), run.scalars["grad_norm"], rtol=1e-5)
+        assert_total_matches_grad_norm(run, rtol=1e-5)
         assert run.meta.config["world_size"] == 2 and run.meta.probe_method == "hooks+ranks(2)"
         assert (run.scalars["samples"] == 8 * 3 / 3).all()  # 2 tasks × 4 rollouts; 3 voters → 3 mini-batches
     single = tmp_path / "single.h5"
@@ -134,7 +134,7 @@ def test_a_killed_rank_ends_the_job_without_hanging(tmp_path):
 
 
 @pytest.mark.parametrize("k", [256])
-def test_sketched_probe_in_training(tmp_path, k):
+def test_sketched_probe_in_training(tmp_path, k, alternating_rewards):
     """--probe-sketch K: the run file says so; IP adapters stay exactly orthogonal; the sketched
     total norm is close to the trainer's exact gradient norm (sd ≈ 1/√(2k) relative)."""
     from gradscope.trainers.train import Trainer
@@ -148,5 +148,8 @@ def test_sketched_probe_in_training(tmp_path, k):
         voters = [i for i, r in enumerate(run.meta.agent_roles) if r == "voter"]
         agg = run.meta.agent_roles.index("aggregator")
         assert (run.gram[:, voters, agg] == 0).all()
-        rel = np.sqrt(run.gram.sum(axis=(1, 2))) / run.scalars["grad_norm"].to_numpy() - 1
+        norm = run.scalars["grad_norm"].to_numpy()
+        signal = norm > 1e-6 * norm.max()  # not a record whose gradient cancelled to rounding noise
+        assert signal.sum() >= len(norm) // 2
+        rel = np.sqrt(np.clip(run.gram.sum(axis=(1, 2)), 0, None))[signal] / norm[signal] - 1
         assert np.abs(rel).max() < 5 / np.sqrt(2 * k) and np.abs(rel).max() > 0  # sketched, not exact

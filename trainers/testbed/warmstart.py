@@ -10,19 +10,15 @@ from a model that knows each role's output format and is right often enough to h
   random picks they stay near-uniform and RL barely moves them (DESIGN.md, testbed notes);
 * the orchestrator on a fixed strategy list.
 
-The result is deterministic for a seed and cached on disk (see :func:`warm_started_model`): the
-build takes ~30–60 s on 2 cores, far too long to repeat per test, and caching (rather than shipping
-a checkpoint) keeps the weights in step with this file — the cache key hashes its source.
+The result is cached on disk and reproducible across machines: see :mod:`.cache`, which builds it
+in a child process with fixed float kernels.
 """
 from __future__ import annotations
 
-import hashlib
 import math
-import inspect
-import os
 import random
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +43,15 @@ class WarmStartConfig:
     math_level: int = 1
     code_level: int = 1
     seed: int = 0
+    hidden: int = 128            # model size (testbed_config)
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 256
+
+    def model_sizes(self) -> dict[str, int]:
+        return dict(hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
+                    intermediate=self.intermediate)
 
 
 def _wrong(task: Task, rng: random.Random) -> str:
@@ -83,17 +88,18 @@ def traces(tasks: list[Task], cfg: WarmStartConfig, rng: random.Random) -> list[
     return out
 
 
-def train_warm_start(cfg: WarmStartConfig, on_step=None) -> torch.nn.Module:
+def train_warm_start(cfg: WarmStartConfig, on_step: Callable[[int, int], object] | None = None) -> torch.nn.Module:
     """Full fine-tuning of a fresh testbed model (loss on target tokens only), in two phases.
 
     Phase 1 teaches the skill on clean solver traces: arithmetic is learnt in a sudden transition
     after ~10^4 clean examples, which mixed, noisy traces would take several times longer to reach.
     Phase 2 teaches every role's format on the noisy traces of :func:`traces`.
+    ``on_step(step, total)`` is called after every optimizer step.
     """
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     tok = build_tokenizer()
-    model = build_testbed_model(cfg.seed)
+    model = build_testbed_model(cfg.seed, **cfg.model_sizes())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     templates = Templates("testbed")
     total = cfg.skill_steps + cfg.role_steps
@@ -117,7 +123,7 @@ def train_warm_start(cfg: WarmStartConfig, on_step=None) -> torch.nn.Module:
         loss.backward()
         optimizer.step()
         if on_step is not None:
-            on_step(step, model)
+            on_step(step + 1, total)
     model.eval()
     return model
 
@@ -139,40 +145,3 @@ def _encode(tok, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tens
         attn[i, width - len(s):] = 1
         labels[i, width - n:] = ids[i, width - n:]
     return ids, attn, labels
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("GRADSCOPE_CACHE", Path.home() / ".cache" / "gradscope"))
-
-
-def cache_key(cfg: WarmStartConfig) -> str:
-    """Changes whenever the config or the code that builds the traces, tasks or model changes."""
-    import gradscope.trainers.tasks.code as code
-    import gradscope.trainers.tasks.math as math_tasks
-    import gradscope.trainers.testbed.model as model
-    import gradscope.trainers.testbed.tokenizer as tokenizer
-    import gradscope.trainers.workflows.templates as templates
-
-    h = hashlib.sha256(repr(sorted(asdict(cfg).items())).encode())
-    for module in (inspect.getmodule(traces), code, math_tasks, model, tokenizer, templates):
-        h.update(inspect.getsource(module).encode())
-    h.update(torch.__version__.encode())
-    return h.hexdigest()[:16]
-
-
-def warm_started_model(cfg: WarmStartConfig = WarmStartConfig(), *, verbose: bool = False) -> torch.nn.Module:
-    """The warm-started testbed base model: from the cache if built before, else built and cached."""
-    path = cache_dir() / "testbed" / f"warmstart-{cache_key(cfg)}.pt"
-    model = build_testbed_model(cfg.seed)
-    if path.exists():
-        model.load_state_dict(torch.load(path, weights_only=True))
-        model.eval()
-        return model
-    if verbose:
-        print(f"building the testbed warm start ({cfg.skill_steps + cfg.role_steps} supervised steps, cached at {path}) ...", flush=True)
-    model = train_warm_start(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(path)  # atomic: concurrent builders never see a half-written file
-    return model

@@ -1,0 +1,178 @@
+"""The testbed warm start on disk: built once per config, reproducibly, then loaded.
+
+**Reproducible across machines.** The build runs in a fresh interpreter (:func:`main`) whose float
+kernels are fixed by :data:`BUILD_ENV`: one thread, ATen's AVX2 kernels, MKL's conditional numerical
+reproducibility in AVX2 strict mode, oneDNN capped at AVX2. Measured on an AVX-512 machine: ATen's
+AVX-512 kernels, MKL's default dispatch, or a second thread each change the weights after a few dozen
+steps (and training amplifies that into different accuracies); with :data:`BUILD_ENV` the weights do
+not depend on the thread count. Any x86-64 CPU with AVX2 runs the same code paths, so a seed gives the
+same bytes; :func:`weights_digest` (sha256 of the fp32 weights) is pinned in ``pinned.json`` and the
+test suite checks the build against it. (ARM CPUs take other kernels: not covered by the pin.)
+
+**Cached** under ``$GRADSCOPE_CACHE/testbed`` (default ``~/.cache/gradscope``), keyed by the config and
+the source of every module the build depends on, so the weights stay in step with the code. A file
+lock makes concurrent first runs wait for one build instead of each building it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from gradscope.trainers.testbed.model import build_testbed_model
+from gradscope.trainers.testbed.warmstart import WarmStartConfig, train_warm_start
+
+#: The build process's environment (on top of the caller's): the same float kernels on every x86-64
+#: CPU with AVX2, whatever the host's core count.
+BUILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+#: Build time of the default config (700 steps) on one idle core, for the message a first run prints.
+EXPECTED_SECONDS = 100
+PINNED = Path(__file__).with_name("pinned.json")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GRADSCOPE_CACHE", Path.home() / ".cache" / "gradscope"))
+
+
+def config_id(cfg: WarmStartConfig) -> str:
+    """A short name for a config's values (not the code): the key of its pinned digest."""
+    return hashlib.sha256(repr(sorted(dataclasses.asdict(cfg).items())).encode()).hexdigest()[:12]
+
+
+def cache_key(cfg: WarmStartConfig) -> str:
+    """Changes whenever the config or the code that builds the traces, tasks or model changes."""
+    import gradscope.trainers.tasks.code as code
+    import gradscope.trainers.tasks.math as math_tasks
+    import gradscope.trainers.testbed.model as model
+    import gradscope.trainers.testbed.tokenizer as tokenizer
+    import gradscope.trainers.testbed.warmstart as warmstart
+    import gradscope.trainers.workflows.templates as templates
+
+    h = hashlib.sha256(config_id(cfg).encode())
+    for module in (warmstart, code, math_tasks, model, tokenizer, templates):
+        h.update(inspect.getsource(module).encode())
+    h.update(json.dumps(BUILD_ENV, sort_keys=True).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:16]
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of a state dict's tensors (fp32 bytes, in key order): equal iff the weights are bit-equal."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def pinned_digest(cfg: WarmStartConfig) -> str | None:
+    """The digest every machine's build of ``cfg`` must have, or None if it is not pinned."""
+    pins = json.loads(PINNED.read_text()) if PINNED.exists() else {}
+    return pins.get(config_id(cfg), {}).get("digest")
+
+
+def warm_started_model(cfg: WarmStartConfig = WarmStartConfig(), *, verbose: bool = False) -> torch.nn.Module:
+    """The warm-started testbed base model (eval mode): from the cache, else built (once) and cached."""
+    path = cache_dir() / "testbed" / f"warmstart-{cache_key(cfg)}.pt"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path.with_suffix(".lock"), verbose):
+            if not path.exists():  # another process may have built it while we waited
+                _build(cfg, path, verbose)
+    model = build_testbed_model(cfg.seed, **cfg.model_sizes())
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return model.eval()
+
+
+@contextmanager
+def _locked(lock: Path, verbose: bool) -> Iterator[None]:
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if verbose:
+                print(f"waiting for another process to finish building the testbed warm start ({lock}) ...",
+                      flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(cfg: WarmStartConfig, path: Path, verbose: bool) -> None:
+    """Build in a child process with :data:`BUILD_ENV`, showing its progress; atomic rename into ``path``."""
+    total = cfg.skill_steps + cfg.role_steps
+    if verbose:
+        print(f"building the testbed warm start once ({total} supervised steps, about "
+              f"{EXPECTED_SECONDS * total // 700} s on an idle core; cached at {path})", flush=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    cmd = [sys.executable, "-m", "gradscope.trainers.testbed.cache", "build",
+           json.dumps(dataclasses.asdict(cfg)), str(tmp)]
+    t0 = time.monotonic()
+    bar = None
+    if verbose:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="warm start", unit="step", dynamic_ncols=True, file=sys.stdout)
+    try:
+        with subprocess.Popen(cmd, env={**os.environ, **BUILD_ENV}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as child:
+            for line in child.stdout:  # "<steps done>" lines
+                if bar is not None and line.strip().isdigit():
+                    bar.n = int(line)
+                    bar.refresh()
+            err = child.stderr.read()
+        if child.returncode != 0:
+            raise RuntimeError(f"building the testbed warm start failed (exit {child.returncode}): "
+                               f"{err.strip().splitlines()[-1] if err.strip() else 'no message'}")
+        tmp.replace(path)  # atomic: a reader never sees a half-written file
+    finally:
+        if bar is not None:
+            bar.close()
+        tmp.unlink(missing_ok=True)
+    if verbose:
+        print(f"built the testbed warm start in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradscope.trainers.testbed.cache build CONFIG_JSON OUT`` (the child of :func:`_build`),
+    or ``... pin``: build (or load) the default config and record its digest in ``pinned.json``."""
+    parser = argparse.ArgumentParser(prog="python -m gradscope.trainers.testbed.cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build")
+    p.add_argument("config")
+    p.add_argument("out")
+    sub.add_parser("pin", help="record the digest of the default warm start built here in pinned.json")
+    args = parser.parse_args(argv)
+    if args.command == "pin":
+        cfg = WarmStartConfig()
+        digest = weights_digest(warm_started_model(cfg, verbose=True).state_dict())
+        pins = json.loads(PINNED.read_text()) if PINNED.exists() else {}
+        pins[config_id(cfg)] = {"digest": digest, "config": dataclasses.asdict(cfg)}
+        PINNED.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+        print(f"pinned {config_id(cfg)}: {digest}")
+        return 0
+    torch.use_deterministic_algorithms(True)
+    cfg = WarmStartConfig(**json.loads(args.config))
+    model = train_warm_start(cfg, on_step=lambda step, total: (step % 10 == 0 or step == total)
+                             and print(step, flush=True))
+    torch.save(model.state_dict(), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
