@@ -64,7 +64,7 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     if cfg.probe_updates not in UPDATE_UNITS:
         raise ConfigError(f"unknown --probe-updates {cfg.probe_updates!r}; use one of {UPDATE_UNITS}")
     if cfg.probe_updates != "off" and (cfg.probe == "none" or cfg.probe_every != 1):
-        raise ConfigError("--probe-updates needs every optimizer step probed (--probe gram, --probe-every 1): "
+        raise ConfigError("--probe-updates needs every optimizer step probed (--probe-every 1, not --probe none): "
                           "the per-role moments follow every step's per-agent gradients")
     if cfg.threads < 0:
         raise ConfigError("--threads must be >= 0 (0: automatic)")
