@@ -91,8 +91,8 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("unit", ["role", "agent"])
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_components_add_up_to_the_actual_change_and_match_brute_force(kind, unit):
-    """Six AdamW steps of a float64 MLP (all agents share it): clipped steps, an unclipped one, and a step
-    whose gradient is NaN, which the loop skips (the moments must not advance)."""
+    """Five optimizer steps of a float64 MLP (all agents share it): clipped ones, an unclipped one, and
+    between them a probed step whose gradient is NaN, which the loop skips (the moments must not advance)."""
     model = make_mlp().double()
     params = list(model.parameters())
     opt = OPTIMIZERS[kind](params)

@@ -9,19 +9,24 @@ import numpy as np
 import pytest
 
 from gradscope.runfile import open_run
+from gradscope.trainers.reward import Scorer
 from gradscope.trainers.train import Trainer
+from tests.trainers.conftest import alternating_scores
 from tests.trainers.test_train import GRADSCOPE, small
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """IP and SP, 4 steps, with rewards that give every GRPO group a signal (whatever the warm start)."""
     tmp = tmp_path_factory.mktemp("updates")
     out = {}
-    for policy in ("ip", "sp"):
-        cfg = small(tmp, policy=policy, out=str(tmp / f"{policy}.h5"), probe_updates="role", steps=4,
-                    checkpoint_every=2)
-        Trainer(cfg).run()
-        out[policy] = cfg
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scorer, "score", alternating_scores)
+        for policy in ("ip", "sp"):
+            cfg = small(tmp, policy=policy, out=str(tmp / f"{policy}.h5"), probe_updates="role", steps=4,
+                        checkpoint_every=2)
+            Trainer(cfg).run()
+            out[policy] = cfg
     return out
 
 
@@ -36,7 +41,9 @@ def test_trainer_records_update_attribution(runs):
             U = U[ok]
             total = U.sum(axis=(1, 2))
             assert (total > 0).all()
-            assert (run.read("update_residual")[ok] < 1e-4).all()
+            assert (run.scalars["grad_norm"][ok] > 0).all()  # every record moved by its gradient, not only by decay
+            # the split against θ before and after: fp32 rounding of θ, relative to a step of lr ≥ 1.3e-4
+            assert (run.read("update_residual")[ok] < 1e-3).all()
             assert (U[:, 2, 2] <= 1e-8 * total).all()  # every step probed: nothing unattributed
             scale = run.update_grad_scale[ok]
             assert ((scale > 0) & (scale <= 1 + 1e-6)).all()  # grad_clip 1.0: c = min(1, 1 / ‖g‖)
@@ -54,7 +61,7 @@ def test_trainer_records_update_attribution(runs):
                 assert (np.abs(U[:, 0, 1]) > 0).any()
 
 
-def test_resume_restores_the_role_moments(runs, tmp_path):
+def test_resume_restores_the_role_moments(runs, tmp_path, alternating_rewards):
     """Crash after step 3 (checkpoint at 2), resume: the update attribution of steps 3-4 equals the
     uninterrupted run's (the per-role moments were checkpointed with the optimizer)."""
     full = runs["sp"]
