@@ -305,6 +305,7 @@ def test_other_optimizers_and_misuse_are_clear_errors():
     assert probe.last_update is None and not before
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_one_process_split(tmp_path):
     """torchrun, 2 ranks (gloo): every rank's update attribution equals one process on the whole batch,
     exact and sampled (the coordinate sample is summed over the ranks like the sketch)."""

@@ -14,6 +14,8 @@ from gradscope.trainers.train import Trainer
 from tests.trainers.conftest import alternating_scores
 from tests.trainers.test_train import GRADSCOPE, small
 
+pytestmark = pytest.mark.slow  # trainer runs of a few seconds each (tens under load)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
