@@ -4,14 +4,18 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# verl (gradscope[verl]) pins transformers<5.11: its tests run in a venv of their own.
+VERL_VENV  := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL_TESTS := tests/integrations/test_verl.py
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-verl bench install clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,integrations]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,11 +23,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gradscope demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+$(VERL_STAMP): pyproject.toml setup.py constraints.txt
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(VERL_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,verl]'
+	touch $(VERL_STAMP)
+
+test: $(STAMP) $(VERL_STAMP)
+	$(BIN)/python -m pytest -q --ignore=$(VERL_TESTS)
+	$(VERL_VENV)/bin/python -m pytest -q $(VERL_TESTS)
+
+test-verl: $(VERL_STAMP)
+	$(VERL_VENV)/bin/python -m pytest -q $(VERL_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info

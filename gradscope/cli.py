@@ -78,6 +78,18 @@ def _cmd_table(args: argparse.Namespace) -> int:
     return table_main(args)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from gradscope.analyses.cli import load  # the findings go along with the statistics
+    from gradscope.analyses.report import analyze_series
+    from gradscope.integrations.export import export_run
+
+    series, closed = load(args.run)
+    findings = [f"[{f.severity}] {f.kind} (steps {f.start}-{f.end}): {f.summary}"
+                for f in analyze_series(series, closed=closed).findings]
+    print(export_run(args.run, args.to, args.dest, findings))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="gradscope", description="Gradient-dynamics diagnostics for multi-agent RL.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
@@ -149,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("md", "csv", "latex"), default="md", help="table format (default md)")
     p.add_argument("--out", default=None, help="write to this file instead of standard output")
     p.set_defaults(func=_cmd_table)
+
+    p = sub.add_parser("export", help="send a run's statistics, alerts and findings to TensorBoard, W&B or MLflow",
+                       description="Write a run file into a dashboard under TRL-style names (gradscope/norm/<role>, "
+                                   "...): W&B in offline mode, MLflow into a local store (docs/integrations.md).")
+    p.add_argument("run", help="run file (.h5)")
+    p.add_argument("--to", required=True, choices=("tensorboard", "wandb", "mlflow"), help="the dashboard")
+    p.add_argument("dest", help="tensorboard: log directory; wandb: folder for the offline run; mlflow: folder "
+                                "(SQLite store DEST/mlflow.db) or a tracking URI")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("train", help="train a workflow with GRPO, probed (see gradscope train --help)",
                        add_help=False, prefix_chars="\0")

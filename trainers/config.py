@@ -35,6 +35,8 @@ class TrainConfig:
                                      "needs --probe-every 1 (off: no update attribution; docs/probe.md)")
     out: str = flag("run.h5", "run file to write")
     overwrite: bool = flag(False, "replace an existing run file")
+    log_to: str = flag("", "also log to dashboards: tensorboard,wandb,mlflow (comma-separated; docs/integrations.md)")
+    log_dir: str | None = flag(None, "folder for --log-to, one subfolder per dashboard (default: <out>.logs)")
     resume: bool = flag(False, "continue the run file --out from its last checkpoint")
     checkpoint_every: int = flag(50, "save adapters + optimizer state every N steps (0: only at the end)")
     seed: int = flag(0, "random seed (tasks, sampling, initialisation)")

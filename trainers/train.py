@@ -23,6 +23,7 @@ from gradscope.alerts import Alert, Monitor, Rule, check_selectors
 from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError
+from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter
@@ -54,6 +55,7 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     rules = collect_rules(cfg.alert, cfg.alerts, cfg.default_alerts)
     check_selectors(rules, list(workflow.agents), [workflow.agent_roles[a] for a in workflow.agents],
                     policy.adapters)
+    parse_sinks(cfg.log_to)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
     for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
@@ -161,6 +163,8 @@ class Trainer:
             writer = RunWriter.resume(out, keep_below_step=start)
         else:
             writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
+        if dist.is_main and cfg.log_to:
+            writer = self._with_sinks(writer)
         monitor.writer = writer if dist.is_main else None
         with writer:
             if start == 1:
@@ -183,6 +187,14 @@ class Trainer:
                 if stop:
                     break
         return out
+
+    def _with_sinks(self, writer: RunWriter) -> SinkWriter:
+        """The run writer, also sending to the ``--log-to`` dashboards under ``--log-dir`` (default <out>.logs)."""
+        folder = Path(self.cfg.log_dir or f"{self.cfg.out}.logs")
+        meta = writer.meta
+        sinks = [open_sink(name, folder / name, run_name=Path(self.cfg.out).stem, config=meta.config)
+                 for name in parse_sinks(self.cfg.log_to)]
+        return SinkWriter(writer, sinks, meta.agents, meta.agent_roles)
 
     def _after(self, step: int, monitor: Monitor, writer: RunWriter, ckpt_dir: Path, scheduled: bool) -> Alert | None:
         """End of a step on every rank: rank 0's alert requests are broadcast (one collective), an

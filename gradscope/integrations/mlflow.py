@@ -1,0 +1,68 @@
+"""The MLflow sink: metrics into a local MLflow store (no server, no network).
+
+Needs ``mlflow-skinny`` with SQLAlchemy and Alembic (``pip install 'gradscope[mlflow]'``). ``DEST``
+is either a folder — the store is then the SQLite database ``DEST/mlflow.db`` with artifacts in
+``DEST/artifacts`` (MLflow 3 keeps its plain-file store only behind an opt-in; SQLite is its
+recommended local store; view with ``mlflow ui --backend-store-uri sqlite:///DEST/mlflow.db``) — or
+a tracking URI (``sqlite:///...``, ``file:...``, ``http://...``), used as given. Runs go to the
+experiment ``gradscope``. Text (alerts, findings) becomes one artifact per tag,
+``<tag>.txt`` (e.g. ``gradscope/events.txt``), lines prefixed with their step, written at close.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+from gradscope.integrations.sinks import Sink
+
+EXPERIMENT = "gradscope"
+#: MLflow takes at most this many metrics per log_batch call.
+_BATCH = 1000
+
+
+def tracking_uri(dest: str) -> tuple[str, str | None]:
+    """The tracking URI for ``dest`` and, for a folder, the artifact location to use."""
+    if "://" in dest or dest.startswith("file:"):
+        return dest, None
+    folder = Path(dest).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'mlflow.db'}", (folder / "artifacts").as_uri()
+
+
+class MlflowSink(Sink):
+    def __init__(self, dest: str, run_name: str, config: Mapping[str, Any]) -> None:
+        uri, artifacts = tracking_uri(dest)
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(EXPERIMENT)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT, artifact_location=artifacts)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        params = {k: str(v)[:500] for k, v in config.items() if not isinstance(v, (dict, list))}
+        for key, value in params.items():
+            self.client.log_param(self.run_id, key, value)
+        self._text: dict[str, list[str]] = defaultdict(list)
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, value, now, step) for name, value in values.items()]
+        for i in range(0, len(metrics), _BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + _BATCH])
+
+    def text(self, step: int, tag: str, lines: Sequence[str]) -> None:
+        self._text[tag] += [f"step {step}: {line}" for line in lines]
+
+    def close(self) -> None:
+        for tag, lines in self._text.items():
+            self.client.log_text(self.run_id, "\n".join(lines) + "\n", f"{tag}.txt")
+        self.client.set_terminated(self.run_id)
+
+
+def open_sink(dest: str, *, run_name: str, config: Mapping[str, Any]) -> MlflowSink:
+    """A run named ``run_name`` in experiment ``gradscope`` of the store at ``dest``; the scalar
+    entries of ``config`` become its parameters."""
+    return MlflowSink(dest, run_name, config)

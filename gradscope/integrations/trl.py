@@ -1,0 +1,254 @@
+"""gradscope for TRL: ``GradscopeGRPOTrainer``, a ``trl.GRPOTrainer`` that probes every optimizer step.
+
+Swap the class and name each completion's agent::
+
+    trainer = GradscopeGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=ds,
+                                   roles={"voter0": "voter", "voter1": "voter", "aggregator": "aggregator"},
+                                   agent="agent", run_file="run.h5")   # "agent": a column of ds
+
+Each optimizer step (all its gradient-accumulation micro-batches) is one probed step: the Gram of the
+per-agent gradients of TRL's own loss, measured through the probe's per-token entry point
+(``backward_tokens``) with the exact per-token weights TRL applies — for every loss type
+(``grpo``, ``dapo``, ``dr_grpo``, ``bnpo``, ``cispo``, ``sapo``, ``luspo``, ``vespo``), KL and
+entropy terms included: TRL's loss depends on the parameters only through the per-token log-probs
+``ℓ`` (and entropies ``H``), so ``Σ_t (∂L/∂ℓ_t) ℓ_t + (∂L/∂H_t) H_t``, with the two partial
+derivatives taken from TRL's loss and held fixed, has exactly TRL's gradient, token by token.
+The statistics join TRL's logs as ``gradscope/...`` (so ``report_to`` sends them to TensorBoard,
+W&B, MLflow, ...), and with ``run_file`` every record goes to a run file for ``gradscope analyze``,
+``plot`` and ``watch``.
+
+Under ``accelerate launch`` (DDP) the probed backward runs without DDP's gradient averaging and the
+gradients are then summed over processes, each process' loss scaled by 1/num_processes: ``.grad``
+is what DDP leaves, and the Gram is that of the global per-agent gradients (docs/distributed.md).
+Not supported (a ``ProbeError`` at the first step): DeepSpeed, FSDP, fp16 loss scaling, MoE router
+auxiliary losses.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType
+from trl import GRPOTrainer
+
+from gradscope.errors import ProbeError
+from gradscope.integrations.scalars import finite_items, step_scalars
+from gradscope.probe import Probe, StepResult
+from gradscope.runfile import RunMeta, RunWriter
+
+#: The key under which each completion's per-token agent indices travel with TRL's batch.
+AGENT_IDS = "gradscope_agent_ids"
+
+AgentSpec = str | Callable[[dict[str, Any]], Any]
+
+
+def agent_ids(values: Sequence[Any], completion_mask: torch.Tensor, loss_mask: torch.Tensor,
+              index: Mapping[str, int]) -> torch.Tensor:
+    """(B, C) agent index of every completion token; -1 where the loss mask is 0.
+
+    Args:
+        values: per completion, an agent name (the whole completion is that agent's) or a list with
+            one agent name (or None: no agent) per completion token.
+        completion_mask: (B, C) 1 for the completion's tokens (right-padded).
+        loss_mask: (B, C) 1 for the tokens the loss trains (completion mask x tool/env mask).
+        index: agent name → row of the Gram.
+    """
+    B, C = completion_mask.shape
+    ids = torch.full((B, C), -1, dtype=torch.long)
+    lengths = completion_mask.sum(1).tolist()
+    for b, value in enumerate(values):
+        if isinstance(value, str):
+            ids[b, :] = _index(index, value, b)
+            continue
+        names = list(value)
+        if len(names) != lengths[b]:
+            raise ProbeError(f"completion {b}: {len(names)} per-token agents for {lengths[b]} completion tokens")
+        ids[b, :len(names)] = torch.tensor([-1 if n is None else _index(index, n, b) for n in names],
+                                           dtype=torch.long)
+    trained = loss_mask.to(ids.device).bool()
+    orphans = (trained & (ids < 0)).any(1).nonzero().flatten().tolist()
+    if orphans:
+        raise ProbeError(f"completion(s) {orphans[:5]} have trained tokens without an agent")
+    return ids.masked_fill(~trained, -1).to(completion_mask.device)
+
+
+def _index(index: Mapping[str, int], name: Any, row: int) -> int:
+    try:
+        return index[name]
+    except (KeyError, TypeError):
+        raise ProbeError(f"completion {row}: agent {name!r} is not one of the declared agents "
+                         f"{list(index)}") from None
+
+
+class GradscopeGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` plus a gradscope :class:`~gradscope.probe.Probe` on every optimizer step.
+
+    Args (besides ``GRPOTrainer``'s, all keyword-only):
+        roles: agent name → role, for every agent (the Gram's rows follow this order).
+        agent: where each completion's agent comes from: a column name — of the dataset, or an extra
+            field a ``rollout_func`` returns — or a function of the example (a dict of its columns
+            and extra fields). The value is an agent name, or for multi-agent completions a list of
+            one agent name (None: no agent) per completion token.
+        run_file: write every record (and TRL's logged metrics) to this run file (main process); it
+            must not exist yet (a ``RunFileError`` when ``train`` starts, never an overwrite).
+        probe_options: more :class:`~gradscope.probe.Probe` arguments (``groups``, ``method``,
+            ``sketch``, ``params``).
+
+    After each optimizer step, :attr:`gradscope_last` holds its :class:`~gradscope.probe.StepResult`
+    (the Gram of the global per-agent gradients, the same on every process).
+    """
+
+    def __init__(self, *args: Any, roles: Mapping[str, str], agent: AgentSpec = "agent",
+                 run_file: str | os.PathLike[str] | None = None,
+                 probe_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled:
+            raise ProbeError("the MoE router auxiliary loss is not attributable to agents; set "
+                             "output_router_logits=False in the model config to probe this model")
+        self.gradscope_roles = dict(roles)
+        self.gradscope_agents = list(roles)
+        self._agent = agent
+        self._agent_index = {a: k for k, a in enumerate(self.gradscope_agents)}
+        self.probe = Probe(self.accelerator.unwrap_model(self.model), self.gradscope_agents, self.gradscope_roles,
+                           **dict(probe_options or {}))
+        self.gradscope_last: StepResult | None = None
+        self._run_file = None if run_file is None else os.fspath(run_file)
+        self._writer: RunWriter | None = None
+        self._window: ExitStack | None = None
+        self._handle: Any = None
+        self._forward: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._ids: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ the run file
+    def run_meta(self) -> RunMeta:
+        """The run file's metadata: agents, roles, how the Gram is measured, TRL's main settings."""
+        config = {"trainer": "trl.GRPOTrainer", "loss_type": self.loss_type, "beta": self.beta,
+                  "num_generations": self.num_generations, "learning_rate": self.args.learning_rate,
+                  "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+                  "world_size": self.accelerator.num_processes}
+        return RunMeta(agents=self.gradscope_agents, agent_roles=[self.gradscope_roles[a] for a in self.gradscope_agents],
+                       roles=self.probe.roles, probe_method=self.probe.measurement, config=config, seed=self.args.seed)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        if self._run_file is None or not self.accelerator.is_main_process:
+            return super().train(*args, **kwargs)
+        with RunWriter(self._run_file, self.run_meta()) as self._writer:
+            try:
+                return super().train(*args, **kwargs)
+            finally:
+                self._writer = None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        if self._writer is not None and "loss" in logs:  # a training log (TRL merged its metrics in)
+            self._writer.log_metrics(self.state.global_step, finite_items(logs))
+
+    # ------------------------------------------------------------------ agents of the completions
+    def _agent_of(self, example: dict[str, Any]) -> Any:
+        if callable(self._agent):
+            return self._agent(example)
+        if self._agent not in example:
+            raise ProbeError(f"no column or rollout field {self._agent!r} naming the agent; the examples "
+                             f"have {sorted(example)}")
+        return example[self._agent]
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)  # rollout fields are merged into inputs
+        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+        output[AGENT_IDS] = agent_ids([self._agent_of(x) for x in inputs], output["completion_mask"], loss_mask,
+                                      self._agent_index)
+        return output
+
+    # ------------------------------------------------------------------ the probed backward
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if torch.is_grad_enabled():  # the loss' forward (reference and old log-probs run without grad)
+            self._forward = (out[0], out[1])
+        return out
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> torch.Tensor:
+        self._ids = inputs.get(AGENT_IDS)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        if self._window is None:  # the first micro-batch of an optimizer step
+            self._window = ExitStack()
+            self._handle = self._window.enter_context(self.probe.step(self.state.global_step + 1))
+        try:
+            with self._probed_backward(model):
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            window, self._window = self._window, None
+            window.__exit__(*sys.exc_info())  # the probe leaves .grad as the interrupted step would
+            raise
+        if self.accelerator.sync_gradients:  # the last micro-batch: clipping and the optimizer come next
+            self._finish_step()
+        return loss
+
+    @contextmanager
+    def _probed_backward(self, model: Any) -> Iterator[None]:
+        """Route ``accelerator.backward`` through the probe; keep DDP from averaging (we sum at the end)."""
+        accelerator = self.accelerator
+        accelerator.backward = self._backward  # an instance attribute shadows the method
+        try:
+            with accelerator.no_sync(model) if accelerator.num_processes > 1 else nullcontext():
+                yield
+        finally:
+            del accelerator.backward
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        accelerator = self.accelerator
+        if (kwargs or accelerator.scaler is not None
+                or accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU,
+                                                        DistributedType.MULTI_GPU)):
+            raise ProbeError(f"GradscopeGRPOTrainer supports plain and DDP training (fp32/bf16) only, not "
+                             f"{accelerator.distributed_type} / fp16 loss scaling / {sorted(kwargs)}")
+        if self._forward is None or self._ids is None:
+            raise ProbeError("no probed forward to attribute: TRL's loss did not go through "
+                             "_get_per_token_logps_and_entropies (unsupported TRL version?)")
+        loss = loss / accelerator.gradient_accumulation_steps  # as Accelerator.backward scales it
+        tensors = [t for t in self._forward if t is not None and t.requires_grad]
+        grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+        token_loss = sum(g.detach() * t for g, t in zip(grads, tensors) if g is not None)
+        self._forward = None
+        if accelerator.num_processes > 1:  # the processes' gradients are summed, not averaged
+            token_loss = token_loss / accelerator.num_processes
+        self._handle.backward_tokens(token_loss, self._ids)
+
+    def _finish_step(self) -> None:
+        window, self._window = self._window, None
+        window.close()
+        result = self.gradscope_last = self._handle.result
+        if self.accelerator.num_processes > 1:
+            self._sum_gradients()
+        for name, value in probe_summary(result, self.gradscope_agents, self.gradscope_roles).items():
+            self._metrics["train"][name].append(value)  # TRL averages them over the logging window
+        if self._writer is not None:
+            self._writer.log_step(result.step, result.gram, result.tokens)
+
+    def _sum_gradients(self) -> None:
+        """Sum ``.grad`` of the trained parameters over the processes in one flat collective (a
+        parameter without a gradient takes part with zeros and keeps None if no process has one)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([torch.zeros(p.numel() + 1, device=p.device, dtype=torch.float32) if p.grad is None
+                          else torch.cat([p.grad.detach().reshape(-1).float(), p.grad.new_ones(1, dtype=torch.float32)])
+                          for p in params])
+        flat = self.accelerator.reduce(flat, reduction="sum")
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if flat[offset + n] > 0:
+                p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+            offset += n + 1
+
+
+def probe_summary(result: StepResult, agents: Sequence[str], roles: Mapping[str, str]) -> dict[str, float]:
+    """The ``gradscope/...`` scalars of one probed step (what :class:`GradscopeGRPOTrainer` logs)."""
+    _, cols = step_scalars(result.gram[None], result.tokens[None], [result.step], list(agents),
+                           [roles[a] for a in agents])
+    return finite_items({n: v[0] for n, v in cols.items()})

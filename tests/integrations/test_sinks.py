@@ -1,0 +1,141 @@
+"""Dashboards: ``gradscope export`` and ``gradscope train --log-to``, read back with each dashboard's reader."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from gradscope.cli import main
+from gradscope.errors import ConfigError
+from gradscope.integrations.scalars import scalar_name
+from gradscope.integrations.sinks import open_sink
+from gradscope.runfile import RunWriter, open_run
+from tests.figures.conftest import write_run
+from tests.integrations import readback
+
+
+@pytest.fixture(scope="module")
+def ip_run(tmp_path_factory):
+    """The figures' synthetic IP cliff run (voter and aggregator records per step) plus two alert events."""
+    path = write_run(tmp_path_factory.mktemp("sinks") / "ip.h5", policy="ip", cliff=True)
+    with RunWriter.resume(path, keep_below_step=10**9) as w:
+        w.log_event(5, "alert", "coherence[voter] = 0.9 > 0.75", severity="warning")
+        w.log_event(7, "alert", "share[aggregator] = 0.8 > 0.7", severity="critical")
+    return path
+
+
+def expected(path, step: int) -> dict[str, float]:
+    """A few statistics of one step by hand from the stored Grams (independent of gradscope.stats)."""
+    with open_run(path) as r:
+        rows = np.flatnonzero(r.step == step)
+        grams, policies = r.gram[rows], r.policy[rows]
+        metrics, evals = r.metrics, r.evals
+    (voter,) = [M for M, p in zip(grams, policies) if p == "voter"]
+    (agg,) = [M for M, p in zip(grams, policies) if p == "aggregator"]
+    out = {"gradscope/grad_norm": np.mean([np.sqrt(M.sum()) for M in grams]),
+           "gradscope/norm/voter": np.sqrt(voter[:3, :3].sum()),
+           "gradscope/norm/aggregator": np.sqrt(agg[3, 3]),
+           "gradscope/agent_norm/voter1": np.sqrt(voter[1, 1]),
+           "gradscope/cos/voter0/voter2": voter[0, 2] / np.sqrt(voter[0, 0] * voter[2, 2]),
+           "gradscope/coherence/voter": np.sqrt(voter[:3, :3].sum()) / np.sqrt(np.diag(voter)[:3]).mean() / 3,
+           "gradscope/share/aggregator": 1.0}  # IP: the aggregator's record holds only its own gradient
+    out.update({f"gradscope/{n}": v for s, n, v in zip(metrics["step"], metrics["name"], metrics["value"]) if s == step})
+    out.update({f"gradscope/eval/{n}": v for s, n, v in zip(evals["step"], evals["name"], evals["value"]) if s == step})
+    return out
+
+
+def _check(values: dict[str, dict[int, float]], path, steps=(4, 20)) -> None:
+    for step in steps:
+        for name, value in expected(path, step).items():
+            assert values[name][step] == pytest.approx(value, rel=1e-5), (name, step)
+    assert "gradscope/eval/accuracy" in values and "gradscope/update_norm/voter" in values
+
+
+def _export(run, to, dest, capsys) -> str:
+    assert main(["export", str(run), "--to", to, str(dest)]) == 0
+    return capsys.readouterr().out
+
+
+def test_export_tensorboard(ip_run, tmp_path, capsys):
+    assert "findings" in _export(ip_run, "tensorboard", tmp_path, capsys)
+    _check(readback.tensorboard_scalars(tmp_path), ip_run)
+    texts = readback.tensorboard_texts(tmp_path)
+    assert "coherence[voter]" in texts["gradscope/events"][5] and "[critical]" in texts["gradscope/events"][7]
+    assert "cliff" in next(iter(texts["gradscope/findings"].values()))
+
+
+def test_export_wandb_offline(ip_run, tmp_path, capsys):
+    _export(ip_run, "wandb", tmp_path, capsys)
+    history = readback.wandb_history(tmp_path)
+    _check(history, ip_run)
+    assert "share[aggregator]" in history["gradscope/events"][7]
+    assert "cliff" in next(iter(history["gradscope/findings"].values()))
+
+
+def test_export_mlflow_local_store(ip_run, tmp_path, capsys):
+    _export(ip_run, "mlflow", tmp_path, capsys)
+    _check(readback.mlflow_metrics(tmp_path), ip_run)
+    texts = readback.mlflow_texts(tmp_path)
+    assert "step 5: [warning] alert: coherence[voter]" in texts["gradscope/events.txt"]
+    assert "cliff" in texts["gradscope/findings.txt"]
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "missing.h5"), "--to", "tensorboard", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("gradscope: error: ")
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "x.h5", "--to", "neptune", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'neptune'" in capsys.readouterr().err
+
+
+def test_export_to_an_unwritable_place(ip_run, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["export", str(ip_run), "--to", "tensorboard", str(blocker / "tb")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradscope: error: cannot write tensorboard output") and err.count("\n") == 1
+
+
+def test_a_missing_library_names_its_extra(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")] + ["mlflow"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "gradscope.integrations.mlflow", raising=False)
+    with pytest.raises(ConfigError, match=r"pip install 'gradscope\[mlflow\]'"):
+        open_sink("mlflow", tmp_path, run_name="r", config={})
+
+
+def test_names_are_safe_for_every_dashboard():
+    assert scalar_name("cos/a|b/c") == "gradscope/cos/a_b/c"
+    assert scalar_name("norm/voter 1.x-y") == "gradscope/norm/voter 1.x-y"
+
+
+@pytest.mark.slow
+def test_train_log_to_every_dashboard(tmp_path):
+    """``gradscope train --log-to``: the dashboards hold the run file's own step statistics and alerts."""
+    from gradscope.integrations.scalars import step_scalars
+    from gradscope.trainers.config import TrainConfig
+    from gradscope.trainers.train import Trainer
+
+    out = tmp_path / "run.h5"
+    cfg = TrainConfig(steps=3, tasks_per_step=2, n_held_out=8, eval_every=2, out=str(out),
+                      log_to="tensorboard,wandb,mlflow", alert=["grad_norm[*] > 0: warn"], default_alerts=False)
+    Trainer(cfg, echo=lambda line: None).run()
+    with open_run(out) as r:
+        steps, cols = step_scalars(r.gram, r.tokens, r.step, r.meta.agents, r.meta.agent_roles)
+        metrics, n_alerts = r.metrics_wide(), int((r.events["kind"] == "alert").sum())
+    logs = tmp_path / "run.h5.logs"
+    assert n_alerts >= 2
+    for values in (readback.tensorboard_scalars(logs / "tensorboard"), readback.wandb_history(logs / "wandb"),
+                   readback.mlflow_metrics(logs / "mlflow")):
+        for t, step in enumerate(steps):
+            for name in ("gradscope/grad_norm", "gradscope/norm/voter", "gradscope/norm/aggregator",
+                         "gradscope/coherence/voter", "gradscope/cos/voter0/voter1"):
+                assert values[name][int(step)] == pytest.approx(cols[name][t], rel=1e-5), (name, step)
+            assert values["gradscope/train/accuracy"][int(step)] == pytest.approx(metrics.loc[step, "train/accuracy"])
+        assert set(values["gradscope/eval/accuracy"]) == {0, 2, 3}
+    events = readback.tensorboard_texts(logs / "tensorboard")["gradscope/events"][1]
+    assert "grad_norm[voter]" in events and "grad_norm[aggregator]" in events
+    events = readback.wandb_history(logs / "wandb")["gradscope/events"][1]
+    assert "grad_norm[voter]" in events and "grad_norm[aggregator]" in events

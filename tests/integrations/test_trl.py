@@ -1,0 +1,137 @@
+"""GradscopeGRPOTrainer against brute force: TRL's own loss, one agent's tokens at a time."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradscope.errors import ProbeError
+from gradscope.runfile import open_run
+from tests.integrations.trl_case import ROLES, Recording, brute_force_gram, make_trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _check_against_brute_force(trainer: Recording, method: str | None = None) -> None:
+    trainer.train()
+    result = trainer.gradscope_last
+    M, total = brute_force_gram(trainer)
+    scale = np.abs(M).max()
+    assert scale > 0
+    np.testing.assert_allclose(result.gram, M, rtol=0, atol=1e-5 * scale)
+    log = trainer.state.log_history[0]
+    # √ΣM is the norm of the step's gradient: TRL's logged grad_norm (float32) and the brute-force sum.
+    assert np.sqrt(result.gram.sum()) == pytest.approx(log["grad_norm"], rel=1e-5)
+    assert np.sqrt(result.gram.sum()) == pytest.approx(total, rel=1e-5)
+    assert log["gradscope/grad_norm"] == pytest.approx(log["grad_norm"], rel=1e-5)
+    assert {f"gradscope/norm/{r}" for r in set(ROLES.values())} <= set(log)
+    assert (result.tokens > 0).sum() >= 2  # the step really had several agents
+    if method:
+        assert trainer.probe.measurement == method
+
+
+LOSSES = [dict(loss_type=t) for t in ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "vespo")]
+LOSSES += [dict(loss_type="luspo", importance_sampling_level="sequence"),
+           dict(loss_type="grpo", beta=0.05, entropy_coef=0.01),          # KL to the reference + entropy bonus
+           dict(loss_type="dapo", top_entropy_quantile=0.5)]
+
+
+@pytest.mark.parametrize("options", LOSSES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_gram_equals_brute_force_for_every_loss_type(tmp_path, options):
+    _check_against_brute_force(make_trainer(str(tmp_path), trainer_cls=Recording, **options), method="hooks")
+
+
+def test_gradient_accumulation_is_one_probed_step(tmp_path):
+    trainer = make_trainer(str(tmp_path), trainer_cls=Recording, per_device=8, accumulation=2)
+    _check_against_brute_force(trainer)
+    assert len(trainer.batches) == 2
+
+
+def test_full_fine_tuning_goes_through_split(tmp_path):
+    # Without LoRA the RMSNorm weights are trained too: not Linear layers, so the probe picks split.
+    _check_against_brute_force(make_trainer(str(tmp_path), trainer_cls=Recording, lora=False), method="split")
+
+
+def _two_agent_rollout(prompts, trainer):
+    """Each completion written by two agents: its first half by its row's voter, the rest by the aggregator."""
+    from tests.integrations.trl_case import deterministic_rollout
+
+    out = deterministic_rollout(prompts, trainer)
+    out["writers"] = [[f"voter{i % 3}"] * (len(c) // 2) + ["aggregator"] * (len(c) - len(c) // 2)
+                      for i, c in enumerate(out["completion_ids"])]
+    return out
+
+
+def test_multi_agent_completions_from_the_rollout_hook(tmp_path):
+    trainer = make_trainer(str(tmp_path), trainer_cls=Recording, rollout_func=_two_agent_rollout, agent="writers")
+    _check_against_brute_force(trainer)
+    assert all(trainer.gradscope_last.tokens > 0)
+
+
+def test_agent_from_a_function(tmp_path):
+    trainer = make_trainer(str(tmp_path), trainer_cls=Recording, agent=lambda ex: ex["agent"])
+    _check_against_brute_force(trainer)
+
+
+def test_run_file_and_trl_logs(tmp_path):
+    run = tmp_path / "run.h5"
+    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=2, report_to=["tensorboard"])
+    trainer.train()
+    with open_run(run) as r:
+        assert r.closed and r.n_steps == 2 and list(r.step) == [1, 2]
+        assert r.meta.agents == list(ROLES) and r.meta.probe_method == "hooks"
+        np.testing.assert_allclose(r.gram[-1], trainer.gradscope_last.gram)
+        metrics = r.metrics_wide()
+        np.testing.assert_allclose(np.sqrt(r.gram.sum(axis=(1, 2))), metrics["grad_norm"].to_numpy(), rtol=1e-5)
+    # report_to: TRL's own TensorBoard callback wrote the gradscope statistics beside its metrics.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (logdir,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(logdir)).Reload()
+    tags = acc.Tags()["scalars"]
+    assert "train/gradscope/norm/voter" in tags and "train/grad_norm" in tags
+    ours = [e.value for e in acc.Scalars("train/gradscope/grad_norm")]
+    theirs = [e.value for e in acc.Scalars("train/grad_norm")]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+def test_unknown_agent_is_a_clear_error(tmp_path):
+    trainer = make_trainer(str(tmp_path), agent=lambda ex: "juror")
+    with pytest.raises(ProbeError, match="agent 'juror' is not one of the declared agents"):
+        trainer.train()
+
+
+def test_missing_agent_column_is_a_clear_error(tmp_path):
+    trainer = make_trainer(str(tmp_path), agent="speaker")
+    with pytest.raises(ProbeError, match="no column or rollout field 'speaker'"):
+        trainer.train()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_accelerate_two_processes_equal_one(tmp_path):
+    """accelerate launch --num_processes 2 on CPU (gloo): the Gram of the global batch."""
+    base = [sys.executable, "-m", "tests.integrations.trl_case"]
+    one, two = tmp_path / "one.npz", tmp_path / "two.npz"
+    subprocess.run([*base, str(one), "--per-device", "16"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), "-m", "tests.integrations.trl_case"]
+    done = subprocess.run([*launch, str(two), "--per-device", "8"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = np.load(one), np.load(two)
+    assert int(a["world"]) == 1 and int(b["world"]) == 2 and str(b["measurement"]) == "hooks+ranks(2)"
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_allclose(b["gram"], a["gram"], rtol=0, atol=1e-5 * np.abs(a["gram"]).max())
+    assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=1e-5)
+    assert np.sqrt(b["gram"].sum()) == pytest.approx(float(b["grad_norm"]), rel=1e-5)
