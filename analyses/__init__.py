@@ -1,10 +1,21 @@
-"""Detectors over a run file: gradient amplification, shared-policy role capture, accuracy cliffs."""
-from gradscope.analyses.amplification import AmplificationConfig, detect_amplification
-from gradscope.analyses.capture import CaptureConfig, detect_capture
-from gradscope.analyses.cliff import CliffConfig, detect_cliff, find_cliffs
-from gradscope.analyses.findings import Finding, Report
-from gradscope.analyses.report import AnalysisConfig, analyze_series
-from gradscope.analyses.series import RunSeries
+"""Detectors over a run file: gradient amplification, shared-policy role capture, accuracy cliffs.
 
-__all__ = ["AmplificationConfig", "AnalysisConfig", "CaptureConfig", "CliffConfig", "Finding", "Report",
-           "RunSeries", "analyze_series", "detect_amplification", "detect_capture", "detect_cliff", "find_cliffs"]
+The names below load on first use (PEP 562), so ``gradscope.analyses.thresholds`` — all the command
+line needs to build its parser — imports without numpy, pandas or scipy.
+"""
+from importlib import import_module
+
+_WHERE = {
+    "AmplificationConfig": "thresholds", "AnalysisConfig": "thresholds", "CaptureConfig": "thresholds",
+    "CliffConfig": "thresholds", "Finding": "findings", "Report": "findings", "RunSeries": "series",
+    "analyze_series": "report", "detect_amplification": "amplification", "detect_capture": "capture",
+    "detect_cliff": "cliff", "find_cliffs": "cliff",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)

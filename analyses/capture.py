@@ -1,7 +1,8 @@
 """Shared-policy role capture: one role's gradient dominates a shared parameter set.
 
-Default (DESIGN.md): in a parameter set trained by ≥ 2 roles, one role's contribution share
-``s_r ≥ 0.7`` on at least 80% of a 10-step window. The finding says whether the role's per-token
+Default: in a parameter set trained by ≥ 2 roles, one role's contribution share ``s_r ≥ 0.7`` on at
+least 80% of a 10-step window; qualifying windows of one role and set fewer than ``gap`` (20) steps
+apart are one finding. The finding says whether the role's per-token
 gradient or only its token count explains the dominance, and reports the text-side signature from
 the evaluation records: other roles' output lengths drifting toward the dominant role's, and their
 format validity falling.
@@ -14,22 +15,15 @@ share finds where the gradient share does not is a finding of its own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 
 from gradscope.analyses.findings import Finding
 from gradscope.analyses.series import RunSeries
-from gradscope.analyses.windows import episodes, sustained
+from gradscope.analyses.thresholds import CaptureConfig
+from gradscope.analyses.windows import episodes, merge_close, sustained
 
-
-@dataclass(frozen=True)
-class CaptureConfig:
-    share: float = 0.7        # contribution-share threshold
-    window: int = 10
-    fraction: float = 0.8
-    excess: float = 0.1       # token / per-token share above the fair 1/R that "explains" dominance
+__all__ = ["CaptureConfig", "detect_capture", "text_signature"]
 
 
 def detect_capture(series: RunSeries, cfg: CaptureConfig = CaptureConfig()) -> list[Finding]:
@@ -45,7 +39,8 @@ def detect_capture(series: RunSeries, cfg: CaptureConfig = CaptureConfig()) -> l
             by_gradient: list[tuple[int, int]] = []
             for measure, values in measures.items():
                 share = values[:, j]
-                for a, b in episodes(sustained(share >= cfg.share, cfg.window, cfg.fraction), cfg.window):
+                qualifies = sustained(share >= cfg.share, cfg.window, cfg.fraction)
+                for a, b in merge_close(episodes(qualifies, cfg.window), series.steps, cfg.gap):
                     if measure == "update share" and any(a <= d and c <= b for c, d in by_gradient):
                         continue  # the gradient share's finding of this episode reports the update share
                     if measure == "gradient share":

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import argparse
 
-from gradscope.analyses.amplification import AmplificationConfig
-from gradscope.analyses.capture import CaptureConfig
-from gradscope.analyses.cliff import CliffConfig
 from gradscope.analyses.compare import compare_table
 from gradscope.analyses.findings import Report
-from gradscope.analyses.report import KINDS, AnalysisConfig, analyze_series, to_json, to_markdown, to_text
+from gradscope.analyses.report import KINDS, analyze_series, to_json, to_markdown, to_text
 from gradscope.analyses.series import RunSeries
+from gradscope.analyses.thresholds import AnalysisConfig, config_from
 from gradscope.errors import ConfigError
 from gradscope.runfile import open_run
 
@@ -20,20 +18,21 @@ def load(path: str) -> tuple[RunSeries, bool]:
         return RunSeries.from_reader(run, name=str(path)), run.closed
 
 
-def config_from(args: argparse.Namespace) -> AnalysisConfig:
-    return AnalysisConfig(
-        amplification=AmplificationConfig(args.coherence, args.window, args.fraction, args.norm_ratio),
-        capture=CaptureConfig(args.share, args.window, args.fraction),
-        cliff=CliffConfig(args.min_drop, args.min_rel_drop, args.within))
-
-
 def analyze_main(args: argparse.Namespace) -> int:
     fail_on = {k.strip() for k in args.fail_on.split(",") if k.strip()} if args.fail_on else set()
     unknown = fail_on - set(KINDS)
     if unknown:
         raise ConfigError(f"--fail-on: unknown kind(s) {sorted(unknown)}; use {', '.join(KINDS)}")
+    if args.max_findings < 0:
+        raise ConfigError(f"--max-findings must be >= 0, got {args.max_findings}")
     report = _report(args.run, config_from(args))
-    print(to_json(report) if args.json else to_markdown(report) if args.md else to_text(report), end="")
+    if args.json:
+        text = to_json(report)
+    elif args.md:
+        text = to_markdown(report, max_per_kind=args.max_findings)
+    else:
+        text = to_text(report, max_per_kind=args.max_findings)
+    print(text, end="")
     return 1 if fail_on & report.kinds() else 0
 
 
@@ -53,15 +52,3 @@ def analyze_runs(paths: list[str]) -> str:
 def _report(path: str, cfg: AnalysisConfig) -> Report:
     series, closed = load(path)
     return analyze_series(series, cfg, closed=closed)
-
-
-def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
-    a, c, k = AmplificationConfig(), CaptureConfig(), CliffConfig()
-    p.add_argument("--coherence", type=float, default=a.coherence, help="amplification: coherence threshold")
-    p.add_argument("--norm-ratio", type=float, default=a.norm_ratio, help="amplification: norm vs other roles")
-    p.add_argument("--share", type=float, default=c.share, help="capture: contribution-share threshold")
-    p.add_argument("--window", type=int, default=a.window, help="steps per detection window")
-    p.add_argument("--fraction", type=float, default=a.fraction, help="share of a window above threshold")
-    p.add_argument("--min-drop", type=float, default=k.min_drop, help="cliff: absolute accuracy drop")
-    p.add_argument("--min-rel-drop", type=float, default=k.min_rel_drop, help="cliff: relative drop")
-    p.add_argument("--within", type=int, default=k.within, help="cliff: evaluations from onset to threshold")

@@ -1,6 +1,6 @@
 """Terminal accuracy cliffs, and the gradient signals that moved before them.
 
-Default (DESIGN.md), on the held-out accuracy series smoothed by a running median of 3 (removes
+Default, on the held-out accuracy series smoothed by a running median of 3 (removes
 single-evaluation outliers): a drop of at least 0.10 absolute and 15% relative below the running
 peak, reached within 5 evaluations of the fall's onset, with no recovery to within half the drop of
 the peak before the run ends. A drop that takes longer is a slow decline (reported as ``info``);
@@ -21,14 +21,9 @@ from scipy.ndimage import median_filter
 from gradscope.analyses.findings import Finding
 from gradscope.analyses.lead import lead_indicators
 from gradscope.analyses.series import RunSeries
+from gradscope.analyses.thresholds import CliffConfig
 
-
-@dataclass(frozen=True)
-class CliffConfig:
-    min_drop: float = 0.10      # absolute drop below the running peak
-    min_rel_drop: float = 0.15  # ... and relative to the peak
-    within: int = 5             # evaluations from onset to the threshold
-    smooth: int = 3             # running-median width (1 = none)
+__all__ = ["Cliff", "CliffConfig", "detect_cliff", "find_cliffs"]
 
 
 @dataclass(frozen=True)

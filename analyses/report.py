@@ -3,25 +3,18 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from gradscope.analyses.amplification import AmplificationConfig, detect_amplification
-from gradscope.analyses.capture import CaptureConfig, detect_capture
-from gradscope.analyses.cliff import CliffConfig, detect_cliff
+from gradscope.analyses.amplification import detect_amplification
+from gradscope.analyses.capture import detect_capture
+from gradscope.analyses.cliff import detect_cliff
 from gradscope.analyses.findings import Finding, Report
 from gradscope.analyses.series import RunSeries
+from gradscope.analyses.thresholds import AnalysisConfig
+from gradscope.labels import MISSING, describe, is_missing, number, text
 from gradscope.stats import norm_shares
 
 KINDS = ("amplification", "capture", "cliff")
-
-
-@dataclass(frozen=True)
-class AnalysisConfig:
-    amplification: AmplificationConfig = field(default_factory=AmplificationConfig)
-    capture: CaptureConfig = field(default_factory=CaptureConfig)
-    cliff: CliffConfig = field(default_factory=CliffConfig)
 
 
 def analyze_series(series: RunSeries, cfg: AnalysisConfig = AnalysisConfig(), *, closed: bool = True) -> Report:
@@ -108,34 +101,73 @@ def _update_lines(s: dict) -> list[str]:
         return []
     u = s["updates"]
     lines = ["gradient → update mass share: " + ", ".join(
-        f"{role} {v['gradient_mass_share']:.2f} → {v['update_mass_share']:.2f}" for role, v in u["roles"].items())]
+        f"{role} {number(v['gradient_mass_share'], '.2f')} → {number(v['update_mass_share'], '.2f')}"
+        for role, v in u["roles"].items())]
     for policy, roles in u["shared_sets"].items():
         lines.append(f"gradient → update share in '{policy}': " + ", ".join(
-            f"{role} {v['gradient_share']:.2f} → {v['update_share']:.2f}" for role, v in roles.items()))
+            f"{role} {number(v['gradient_share'], '.2f')} → {number(v['update_share'], '.2f')}"
+            for role, v in roles.items()))
     return lines
 
 
 # ------------------------------------------------------------------ rendering
+#: Findings per kind that text and Markdown show by default (``analyze --max-findings``; JSON: all).
+MAX_PER_KIND = 5
+_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+def shown(findings: list[Finding], max_per_kind: int | None = MAX_PER_KIND) -> tuple[list[Finding], dict[str, int]]:
+    """The findings a text report lists — per kind the ``max_per_kind`` most severe (ties: the
+    earliest onset), in report order — and how many of each kind it leaves out."""
+    if max_per_kind is None:
+        return list(findings), {}
+    keep: set[int] = set()
+    hidden: dict[str, int] = {}
+    for kind in dict.fromkeys(f.kind for f in findings):
+        mine = [i for i, f in enumerate(findings) if f.kind == kind]
+        ranked = sorted(mine, key=lambda i: (_RANK.get(findings[i].severity, 3), findings[i].onset))
+        keep.update(ranked[:max_per_kind])
+        if len(mine) > max_per_kind:
+            hidden[kind] = len(mine) - max_per_kind
+    return [f for i, f in enumerate(findings) if i in keep], hidden
+
+
+def _hidden_lines(hidden: dict[str, int]) -> list[str]:
+    return [f"{n} more {kind} finding(s) not shown (--max-findings; --json lists all)" for kind, n in hidden.items()]
+
+
+def _header(s: dict) -> tuple[str, str | None]:
+    """The run line (workflow / task / policy, steps, records) and the accuracy line (None without
+    evaluations), missing values as gradscope.labels renders them."""
+    d = describe(s)
+    run = f"{d['workflow']} / {d['task']} / policy {d['policy']} · {s['steps']} steps, {s['records']} records"
+    if "peak" not in s:
+        return run, None
+    return run, (f"accuracy: base {number(s['base'])}, peak {number(s['peak'])} (step {s['peak_step']}), "
+                 f"final {number(s['final'])} (Δ {number(s['delta'], '+.3f')})")
+
+
 def to_json(report: Report) -> str:
-    """Stable JSON (docs/detectors.md): non-finite numbers become null."""
+    """Stable JSON (docs/detectors.md): every finding; non-finite numbers become null."""
     return json.dumps(_finite(report.to_dict()), indent=2, default=_plain, allow_nan=False)
 
 
-def to_markdown(report: Report) -> str:
-    s = report.summary
-    lines = [f"## gradscope analysis: `{report.run}`", ""]
-    lines.append(f"{s.get('workflow')} / {s.get('task')} / policy {s.get('policy')} · {s['steps']} steps, "
-                 f"{s['records']} records")
-    if "peak" in s:
-        lines.append(f"accuracy: base {s['base']:.3f}, peak {s['peak']:.3f} (step {s['peak_step']}), "
-                     f"final {s['final']:.3f} (Δ {s['delta']:+.3f})")
-    lines += [f"{line}  " for line in _update_lines(s)]
+def to_markdown(report: Report, max_per_kind: int | None = MAX_PER_KIND) -> str:
+    run, accuracy = _header(report.summary)
+    findings, hidden = shown(report.findings, max_per_kind)
+    lines = [f"## gradscope analysis: `{report.run}`", "", run]
+    if accuracy:
+        lines.append(accuracy)
+    lines += [f"{line}  " for line in _update_lines(report.summary)]
     lines += ["", "| kind | severity | role | steps | finding |", "|---|---|---|---|---|"]
-    for f in report.findings:
-        lines.append(f"| {f.kind} | {f.severity} | {f.role or '–'} | {f.start}–{f.end} (onset {f.onset}) | {f.summary} |")
+    for f in findings:
+        lines.append(f"| {f.kind} | {f.severity} | {text(f.role)} | {f.start}–{f.end} (onset {f.onset}) | "
+                     f"{_cell(f.summary)} |")
     if not report.findings:
-        lines.append("| – | – | – | – | no pathology found |")
-    for f in report.findings:
+        lines.append(f"| {MISSING} | {MISSING} | {MISSING} | {MISSING} | no pathology found |")
+    if hidden:
+        lines += [""] + _hidden_lines(hidden)
+    for f in findings:
         lines += ["", f"**{f.kind}** ({f.role or 'run'}) evidence:", ""]
         lines += [f"- {k}: {_fmt(v)}" for k, v in f.evidence.items()]
     if report.notes:
@@ -143,7 +175,7 @@ def to_markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_text(report: Report) -> str:
+def to_text(report: Report, max_per_kind: int | None = MAX_PER_KIND) -> str:
     """Readable console report (rich), returned as a string."""
     from rich.console import Console
     from rich.markup import escape
@@ -151,18 +183,17 @@ def to_text(report: Report) -> str:
 
     buf = io.StringIO()
     console = Console(file=buf, width=110, force_terminal=False, color_system=None)
-    s = report.summary
-    console.print(f"gradscope analysis of {report.run}")
-    console.print(f"  {s.get('workflow')} / {s.get('task')} / policy {s.get('policy')}: {s['steps']} steps, "
-                  f"{s['records']} records")
-    if "peak" in s:
-        console.print(f"  accuracy base {s['base']:.3f}  peak {s['peak']:.3f} (step {s['peak_step']})  "
-                      f"final {s['final']:.3f}  Δ {s['delta']:+.3f}")
-    for line in _update_lines(s):
-        console.print(f"  {escape(line)}")
+    run, accuracy = _header(report.summary)
+    findings, hidden = shown(report.findings, max_per_kind)
+    console.print(escape(f"gradscope analysis of {report.run}"))
+    console.print(escape(f"  {run}"))
+    if accuracy:
+        console.print(escape(f"  {accuracy}"))
+    for line in _update_lines(report.summary):
+        console.print(escape(f"  {line}"))
     if not report.findings:
         console.print("  no pathology found")
-    for f in report.findings:
+    for f in findings:
         console.print(escape(f"[{f.severity}] {f.kind}: {f.summary}"))
         table = Table(show_header=False)
         table.add_column("evidence", style="bold")
@@ -171,19 +202,28 @@ def to_text(report: Report) -> str:
         for k, v in f.evidence.items():
             table.add_row(k, escape(_fmt(v)))
         console.print(table)
+    for line in _hidden_lines(hidden):
+        console.print(escape(f"  {line}"))
     for n in report.notes:
-        console.print(f"  note: {n}")
+        console.print(escape(f"  note: {n}"))
     return buf.getvalue()
 
 
+def _cell(value: str) -> str:
+    """Text for a Markdown table cell (a ``|`` would end the cell)."""
+    return value.replace("|", "\\|")
+
+
 def _fmt(v) -> str:
+    if is_missing(v):
+        return MISSING
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, list) and v and isinstance(v[0], dict):
         return "; ".join(", ".join(f"{k}={_fmt(x)}" for k, x in d.items()) for d in v[:5]) + \
                (f"; … ({len(v) - 5} more)" if len(v) > 5 else "")
     if isinstance(v, dict):
-        return "; ".join(f"{k}: {_fmt(x)}" for k, x in v.items())
+        return "; ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) or MISSING
     return str(v)
 
 

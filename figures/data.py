@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradscope import labels
 from gradscope.analyses.cliff import detect_cliff
 from gradscope.analyses.findings import Finding
 from gradscope.analyses.series import RunSeries
@@ -47,30 +48,14 @@ def as_series_list(runs: RunLike | Iterable[RunLike]) -> list[RunSeries]:
 
 # ------------------------------------------------------------------ metadata
 def policy_of(series: RunSeries) -> str:
-    """``"ip"`` / ``"sp"`` from the config's ``policy`` key, else from the records (a parameter set
-    shared by two roles → sp); an explicit map or unknown value is returned as written."""
-    value = str(series.config.get("policy") or "").strip()
-    if value.lower() in ("ip", "sp"):
-        return value.lower()
-    if value:
-        return value
-    if len(series.gram):
-        return "sp" if series.shared_sets else "ip"
-    return "?"
-
-
-def model_name(series: RunSeries) -> str:
-    """The model's short name: a local path is shown by its last component."""
-    value = series.config.get("model")
-    if value is None or value == "":
-        return "?"
-    return Path(str(value).rstrip("/\\")).name or str(value)
+    """``"ip"`` / ``"sp"`` / a sharing map as written, from the run's config; ``"unknown"`` without
+    one (never guessed from the records: gradscope.labels)."""
+    return labels.describe(series.config)["policy"]
 
 
 def describe(series: RunSeries) -> dict[str, str]:
-    c = series.config
-    return {"workflow": str(c.get("workflow") or "?"), "task": str(c.get("task") or "?"),
-            "model": model_name(series), "policy": policy_of(series)}
+    """workflow, task, model, policy of a run (gradscope.labels.describe)."""
+    return labels.describe(series.config)
 
 
 def stem(series: RunSeries) -> str:
@@ -78,9 +63,9 @@ def stem(series: RunSeries) -> str:
 
 
 def title(series: RunSeries) -> str:
-    """``ip · voting/math · testbed`` plus the file name when there is one."""
+    """``IP · voting/math · testbed`` (``unknown`` for what the config lacks) plus the file name."""
     d = describe(series)
-    head = f"{d['policy'].upper()} · {d['workflow']}/{d['task']} · {d['model']}"
+    head = f"{labels.policy_label(d['policy'])} · {d['workflow']}/{d['task']} · {d['model']}"
     return f"{head}\n{Path(series.name).name}" if series.name else head
 
 

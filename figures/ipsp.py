@@ -21,6 +21,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from gradscope import labels
 from gradscope.figures import data
 from gradscope.figures.data import RunLike
 from gradscope.figures.style import ACCURACY_COLOR, CLIFF_COLOR, NEUTRAL, new_figure, policy_color, theme
@@ -49,7 +50,7 @@ def ip_vs_sp_figure(runs: Iterable[RunLike], *, size: str = "two", height: float
     missing = [p.upper() for p in ("ip", "sp") if p not in groups]
     if missing:
         raise ConfigError(f"ip-vs-sp: no {' or '.join(missing)} run given (policies found: "
-                          f"{', '.join(g.upper() for g in groups)}); give at least one IP and one SP run")
+                          f"{', '.join(labels.policy_label(g) for g in groups)}); give at least one IP and one SP run")
     with theme():
         fig, axes = new_figure(size, height or (2.3 if size == "two" else 3.3), 1, len(groups), sharey=True,
                                sharex=True)
@@ -97,7 +98,7 @@ def _panel(ax, policy: str, runs: list, legend_cols: int = 2) -> float:
     if onsets:
         ax.plot([o for o, _ in onsets], [v for _, v in onsets], linestyle="none", marker="v", markersize=5,
                 color=CLIFF_COLOR, zorder=6, gid="cliff-onset", label=f"cliff onset ({len(onsets)} of {n})")
-    ax.set_title(f"{policy.upper()}" + (f" · {n} runs" if n > 1 else ""), color=color, fontweight="bold")
+    ax.set_title(labels.policy_label(policy) + (f" · {n} runs" if n > 1 else ""), color=color, fontweight="bold")
     ax.set_xlabel("training step")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=legend_cols, borderaxespad=0,
               fontsize=6.3 if legend_cols == 2 else 5.8, handlelength=1.4)

@@ -35,7 +35,7 @@ OKABE_ITO = {
     "blue": "#0072B2", "vermillion": "#D55E00", "green": "#009E73", "purple": "#CC79A7",
     "orange": "#E69F00", "sky": "#56B4E9", "yellow": "#F0E442", "black": "#000000",
 }
-#: The roles of the built-in workflows (DESIGN.md); the same colour in every figure.
+#: The roles of the built-in workflows (docs/training.md); the same colour in every figure.
 ROLE_COLORS = {
     "voter": OKABE_ITO["blue"], "aggregator": OKABE_ITO["vermillion"],
     "generator": OKABE_ITO["green"], "evaluator": OKABE_ITO["purple"],

@@ -1,12 +1,12 @@
 """The improvement map: accuracy gained over the base model by workflow × task × scale, IP vs SP.
 
 Each run is placed by its config (``workflow``, ``task``, ``model``, ``policy``; a missing key
-reads ``?``; a model path is shown by its last component; ``policy`` falls back to what the
-records show). One panel per policy (IP, SP, then any other sharing map), rows = workflow / task,
-columns = model ordered by size (the number before a B/M in its name, e.g. 0.6B < 1.7B < 4B; names
-without one first). A cell is the mean over its runs (seeds) of the improvement over the base
-model — ``final − base`` by default, ``peak − base`` with ``metric="peak"`` — with its value and,
-for several runs, their number. Runs that differ only in other settings (learning rate, ...) land
+reads ``unknown``; a model path is shown by its last component: gradscope.labels). One panel per
+policy (IP, SP, then any other sharing map), rows = workflow / task, columns = model ordered by
+size (the number before a B/M in its name, e.g. 0.6B < 1.7B < 4B; names without one first). A
+cell is the mean over its runs (seeds) of the improvement over the base model — ``final − base``
+by default, ``peak − base`` with ``metric="peak"`` — with its value and, for several runs, their
+number. Runs that differ only in other settings (learning rate, ...) land
 in the same cell: sweep one setting at a time. A cell whose runs have no accuracy evaluations
 says "no data"; a combination with no run is blank grey. One colour scale for all panels,
 diverging around 0 (blue = better than base, red = worse).
@@ -20,6 +20,7 @@ import numpy as np
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from gradscope import labels
 from gradscope.figures import data
 from gradscope.figures.data import RunLike
 from gradscope.figures.ipsp import ORDER
@@ -101,7 +102,7 @@ def sweep_figure(runs: Iterable[RunLike], *, metric: str = "final", size: str = 
             ax.set_xticks(range(len(models)), models)
             ax.set_yticks(range(len(ylabels)), [f"{w} / {t}" for w, t in ylabels])
             ax.set_xlabel("model")
-            ax.set_title(policy.upper(), color=policy_color(policy), fontweight="bold")
+            ax.set_title(labels.policy_label(policy), color=policy_color(policy), fontweight="bold")
             ax.tick_params(length=0)
             for spine in ax.spines.values():
                 spine.set_visible(False)

@@ -1,8 +1,9 @@
 """The summary table: one row per run — workflow, task, model, policy, base, peak, final, Δ, cliff.
 
 :func:`summary_table` returns a DataFrame of raw values (NaN / None where a run has no
-evaluations); :func:`format_table` renders it as Markdown, CSV (raw numbers, for analysis) or
-LaTeX (a ``booktabs`` tabular to ``\\input`` into a paper).
+evaluations; ``unknown`` for what the run's config does not say); :func:`format_table` renders it
+as Markdown, CSV (raw numbers, for analysis; a missing value is an empty cell) or LaTeX (a
+``booktabs`` tabular to ``\\input`` into a paper). Missing values read ``—`` (gradscope.labels).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from gradscope.figures import data
+from gradscope.labels import MISSING, is_missing, number, policy_label
 from gradscope.figures.data import RunLike
 from gradscope.errors import ConfigError
 
@@ -47,19 +49,11 @@ def summary_table(runs: Iterable[RunLike]) -> pd.DataFrame:
     return df
 
 
-def _missing(v) -> bool:
-    return v is None or v is pd.NA or (isinstance(v, float) and not np.isfinite(v))
-
-
-def _num(v, fmt: str = "{:.3f}") -> str:
-    return "–" if _missing(v) else fmt.format(v)
-
-
 def _cells(r) -> list[str]:
-    cliff = "–" if _missing(r["cliff"]) else (f"yes (step {int(r['cliff_onset'])})" if r["cliff"] else "no")
-    peak = _num(r["peak"]) + ("" if _missing(r["peak_step"]) else f" @{int(r['peak_step'])}")
-    return [str(r["run"]), str(r["workflow"]), str(r["task"]), str(r["model"]), str(r["policy"]).upper(),
-            _num(r["base"]), peak, _num(r["final"]), _num(r["delta"], "{:+.3f}"), cliff]
+    cliff = MISSING if is_missing(r["cliff"]) else (f"yes (step {int(r['cliff_onset'])})" if r["cliff"] else "no")
+    peak = number(r["peak"]) + ("" if is_missing(r["peak_step"]) else f" @{int(r['peak_step'])}")
+    return [str(r["run"]), str(r["workflow"]), str(r["task"]), str(r["model"]), policy_label(str(r["policy"])),
+            number(r["base"]), peak, number(r["final"]), number(r["delta"], "+.3f"), cliff]
 
 
 HEAD = ["run", "workflow", "task", "model", "policy", "base", "peak @step", "final", "Δ", "cliff (onset)"]
@@ -73,7 +67,7 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(COLUMNS)
         for _, r in df.iterrows():
-            w.writerow(["" if _missing(v) else f"{v:.6g}" if isinstance(v, float) else v
+            w.writerow(["" if is_missing(v) else f"{v:.6g}" if isinstance(v, float) else v
                         for v in (r[c] for c in COLUMNS)])
         return buf.getvalue()
     rows = [_cells(r) for _, r in df.iterrows()]
@@ -91,7 +85,8 @@ def format_table(df: pd.DataFrame, fmt: str = "md") -> str:
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "–": "--", "@": "@"}
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "–": "--", MISSING: "---",
+        "@": "@"}
 
 
 def _tex(text: str) -> str:

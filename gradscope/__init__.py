@@ -1,1 +1,4 @@
-"""gradscope."""
+"""gradscope: gradient-dynamics diagnostics for multi-agent RL of LLM workflows."""
+
+#: The package version: the one place it is written (pyproject.toml reads it from here).
+__version__ = "0.1.0"

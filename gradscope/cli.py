@@ -1,7 +1,9 @@
 """The ``gradscope`` command line.
 
-Subcommands dispatch lazily, so ``gradscope info`` never imports torch or the trainer stack.
-Every user error (bad file, bad flag) prints one line ``gradscope: error: ...`` and exits 2.
+Subcommands dispatch lazily: building the parser imports nothing heavy (no torch, peft,
+transformers, matplotlib, h5py, pandas), so ``--help`` and a bad flag are answered at once, and
+``gradscope info`` never imports torch or the trainer stack. Every ``--help`` shows each flag's
+default. Every user error (bad file, bad flag) prints one line ``gradscope: error: ...`` and exits 2.
 """
 from __future__ import annotations
 
@@ -9,13 +11,28 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from gradscope import __version__
 from gradscope.errors import GradscopeError
 
 EXIT_USAGE = 2
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help, except where there is nothing to show: no
+    default (None, "", an empty list), a bare switch, or a help text that already says ``%(default)s``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, "", [], argparse.SUPPRESS) or isinstance(action, argparse._StoreTrueAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line and exit code 2."""
+    """argparse that shows defaults in ``--help`` and reports a usage error as one line and exit code 2."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
         print(f"gradscope: error: {message}", file=sys.stderr)
@@ -92,6 +109,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="gradscope", description="Gradient-dynamics diagnostics for multi-agent RL.")
+    parser.add_argument("--version", action="version", version=f"gradscope {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     p = sub.add_parser("info", help="print what a run file holds")
@@ -102,10 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
     p.add_argument("--steps", type=int, default=100, help="training steps per run")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (default 0: one, the fastest for the testbed on a shared machine)")
+                   help="torch intra-op threads (0: one, the fastest for the testbed on a shared machine)")
     p.set_defaults(func=_cmd_demo)
 
-    from gradscope.analyses.cli import add_threshold_arguments  # numpy/pandas only, no torch
+    from gradscope.analyses.thresholds import add_threshold_arguments  # dataclasses only
 
     p = sub.add_parser("analyze", help="detect amplification, role capture and accuracy cliffs in a run")
     p.add_argument("run", help="run file (.h5)")
@@ -113,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", action="store_true", help="machine-readable report (docs/detectors.md)")
     fmt.add_argument("--md", action="store_true", help="Markdown report")
     p.add_argument("--fail-on", default="", help="exit 1 if any of these kinds is found: amplification,capture,cliff")
+    p.add_argument("--max-findings", type=int, default=5, metavar="N",
+                   help="text and Markdown show at most N findings per kind (JSON: all)")
     add_threshold_arguments(p)
     p.set_defaults(func=_cmd_analyze)
 
@@ -129,11 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "closes it (docs/alerts.md).")
     p.add_argument("run", help="run file (.h5), live or finished")
     add_alert_arguments(p)
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the file (default 1)")
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the file")
     p.add_argument("--wait", type=float, default=0.0,
-                   help="wait up to this many seconds for the run file to appear (default 0: it must exist)")
+                   help="wait up to this many seconds for the run file to appear (0: it must exist)")
     p.add_argument("--idle", type=float, default=0.0,
-                   help="also exit after this many seconds without new data (default 0: wait for the writer)")
+                   help="also exit after this many seconds without new data (0: wait for the writer)")
     p.set_defaults(func=_cmd_watch)
 
     p = sub.add_parser("plot", help="paper-style figures: cliffs, ip-vs-sp, shares, alignment, sweep, updates",
@@ -146,19 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --probe-updates)")
     p.add_argument("runs", nargs="+", help="run files (.h5)")
     p.add_argument("--out", default=None, help="output path stem (default: next to the first run, <run>_<kind>)")
-    p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg (default png)")
-    p.add_argument("--size", choices=("one", "two"), default="two", help="paper width: one column or two (default)")
-    p.add_argument("--dpi", type=int, default=300, help="PNG resolution, at least 200 (default 300)")
-    p.add_argument("--smooth", type=int, default=1, help="rolling mean over N steps for gradient curves (default 1)")
-    p.add_argument("--steps", default=None, help="alignment: cosine matrices at these steps, e.g. 10,50,100")
-    p.add_argument("--window", type=int, default=1, help="alignment: average over this many steps (default 1)")
+    p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg")
+    p.add_argument("--size", choices=("one", "two"), default="two", help="paper width: one column or two")
+    p.add_argument("--dpi", type=int, default=300, help="PNG resolution, at least 200")
+    p.add_argument("--smooth", type=int, default=1, help="rolling mean over N steps for gradient curves")
+    p.add_argument("--steps", default=None,
+                   help="alignment: cosine matrices at these steps, e.g. 10,50,100 (default: a heatmap over all steps)")
+    p.add_argument("--window", type=int, default=1, help="alignment: average over this many steps")
     p.add_argument("--metric", choices=("final", "peak"), default="final",
-                   help="sweep: improvement of the final (default) or the peak accuracy over the base")
+                   help="sweep: improvement of the final or the peak accuracy over the base")
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("table", help="summary table of runs: base, peak, final, delta, cliff")
     p.add_argument("runs", nargs="+", help="run files (.h5)")
-    p.add_argument("--format", choices=("md", "csv", "latex"), default="md", help="table format (default md)")
+    p.add_argument("--format", choices=("md", "csv", "latex"), default="md", help="table format")
     p.add_argument("--out", default=None, help="write to this file instead of standard output")
     p.set_defaults(func=_cmd_table)
 

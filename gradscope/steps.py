@@ -4,10 +4,12 @@ A run file holds one record per optimizer step (several per training step under 
 mini-batching, each tagged with the policy it updated). A role's statistic at training step t is
 the mean over that step's records in which the role is *present* (its gradient is non-zero), so a
 voter policy's three records and the aggregator policy's one do not dilute each other. The
-analyses (whole runs, vectorised) and the alerts (one step at a time) both aggregate with these
-functions.
+analyses (whole runs, vectorised), the alerts (one step at a time) and ``RunReader.stats(per="step")``
+(pandas) all aggregate with these functions.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -62,6 +64,42 @@ def shared_set_stats(gram: np.ndarray, tokens: np.ndarray, agent_roles: list[str
     return {"share": stats.contribution_shares(M, P),
             "token_share": stats.token_shares(tok, P),
             "per_token_share": stats.per_token_shares(M, tok, P)}
+
+
+def step_columns(columns: Mapping[str, np.ndarray], gram: np.ndarray, record_step: np.ndarray,
+                 agents: Sequence[str], agent_roles: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per-record ``stats.derive`` columns, aggregated per training step by the rule above.
+
+    A column's value at step t is the mean over t's records in which its subject has a gradient:
+    ``norm/<agent>`` where the agent's norm is > 0, ``cos/<A>|<B>`` where both agents' are,
+    ``<statistic>/<role>`` where the role is :func:`present`, ``role_cos/<A>|<B>`` and
+    ``update_cos/<A>|<B>`` where both roles are, ``interference/<c>|<s>`` where c's role is;
+    ``total_norm`` (and any column of no agent or role: the update extras, ``total_update_norm``)
+    over all of t's records. Non-finite values never count.
+
+    Args:
+        columns: name → (N,) per-record values (``stats.derive`` of ``gram``).
+        gram: (N, K, K) the records' Grams; record_step: (N,) their training steps.
+    Returns:
+        (steps, columns): the T distinct steps, increasing, and name → (T,) per-step values.
+    """
+    steps, index = np.unique(np.asarray(record_step), return_inverse=True)
+    agents = list(agents)
+    P, roles = stats.role_indicator(list(agent_roles))
+    agent_on = np.nan_to_num(stats.agent_norms(gram), nan=0.0) > 0         # (N, K)
+    role_on = present(stats.role_norms(gram, P))                           # (N, R)
+    subjects = {"norm": {a: agent_on[:, k] for k, a in enumerate(agents)}}  # family → subject → (N,) mask
+    for family, names, on in (("cos", agents, agent_on), ("role_cos", roles, role_on), ("update_cos", roles, role_on)):
+        subjects[family] = {f"{names[i]}|{names[j]}": on[:, i] & on[:, j]
+                            for i, j in zip(*np.triu_indices(len(names), k=1))}
+    of_role = {r: role_on[:, j] for j, r in enumerate(roles)}                # every other family
+    out = {}
+    for name, values in columns.items():
+        family, _, subject = name.partition("/")
+        if family == "interference":  # <component>|<role>: where the component's role has a gradient
+            subject = subject.partition("|")[0]
+        out[name] = step_mean(values, index, len(steps), subjects.get(family, of_role).get(subject))
+    return steps, out
 
 
 def set_update_shares(update_gram: np.ndarray, unit_roles: list[str], roles: list[str],

@@ -1,21 +1,27 @@
-"""``gradscope train``: flags → TrainConfig → Trainer, with a progress bar."""
+"""``gradscope train``: flags → TrainConfig → Trainer, with a progress bar.
+
+The flags are parsed before torch and the trainer stack are imported, so ``--help`` and a bad flag
+are answered at once.
+"""
 from __future__ import annotations
 
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from gradscope.cli import ArgumentParser
 from gradscope.trainers.config import add_arguments, from_arguments
-from gradscope.trainers.distributed import world_size_from_env
-from gradscope.trainers.train import Trainer
+
+if TYPE_CHECKING:
+    from gradscope.trainers.train import Trainer
 
 
 def run_with_progress(trainer: Trainer) -> Path:
     """Train, showing the mean training reward and the last held-out accuracy per step."""
+    from tqdm import tqdm
+
     cfg = trainer.cfg
     last_acc: list[float] = []
     with tqdm(total=cfg.steps, desc=f"{cfg.workflow}/{cfg.task}/{cfg.policy}", unit="step",
@@ -35,6 +41,12 @@ def train_main(argv: Sequence[str]) -> int:
                             description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
     add_arguments(parser)
     cfg = from_arguments(parser.parse_args(list(argv)))
+
+    from tqdm import tqdm  # the trainer stack (torch, transformers, peft) loads only after parsing
+
+    from gradscope.trainers.distributed import world_size_from_env
+    from gradscope.trainers.train import Trainer
+
     if world_size_from_env() > 1:  # torchrun tears a job down with SIGTERM: close the run file cleanly
         signal.signal(signal.SIGTERM, _interrupt)
     trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))

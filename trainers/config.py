@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from gradscope.trainers.flags import flag
-from gradscope.trainers.grpo import GRPOConfig
+from gradscope.trainers.grpo_config import GRPOConfig
 
 
 
@@ -23,7 +23,8 @@ class TrainConfig:
     policy: str = flag("ip", "ip | sp | role=adapter,... (e.g. voter=a,aggregator=b)")
     model: str = flag("testbed", "'testbed' or a local Hugging Face causal-LM folder")
     steps: int = flag(200, "training steps")
-    tasks_per_step: int = flag(8, "tasks per training step (each rolled out group_size times)")
+    tasks_per_step: int = flag(8, "tasks per training step, each rolled out group_size times (the paper, "
+                                  "arXiv 2605.24202: 64)")
     n_train: int = flag(2000, "generated training tasks (files and HumanEval: all not held out)")
     n_held_out: int = flag(128, "held-out evaluation tasks")
     eval_every: int = flag(25, "evaluate every N steps (and at step 0 and the end; 0: only those)")

@@ -25,31 +25,13 @@ import torch
 from gradscope.peft_support import use_adapter
 from gradscope.probe import Probe, StepResult, UpdateResult
 from gradscope.trainers.distributed import Dist
-from gradscope.trainers.flags import flag
+from gradscope.trainers.grpo_config import GRPOConfig
 from gradscope.trainers.policy import PolicyMap
 from gradscope.trainers.rollout import pack, token_logprobs
 from gradscope.trainers.workflows.base import Episode, Turn
 
 #: Scalars logged with every optimizer step (the run file's per-record scalars).
 STEP_SCALARS = ["loss", "clip_frac", "grad_norm", "lr", "samples", "tokens", "kl"]
-
-
-@dataclass
-class GRPOConfig:
-    """Optimisation settings (defaults: the paper's, DESIGN.md). Every field is a ``train`` flag."""
-
-    group_size: int = flag(8, "rollouts per task (the GRPO group)")
-    clip_low: float = flag(0.2, "ratio clipped below at 1 - clip_low")
-    clip_high: float = flag(0.28, "ratio clipped above at 1 + clip_high")
-    kl_coef: float = flag(0.0, "k3 KL penalty to the base model, per token (the paper's anchor when > 0)")
-    lr: float = flag(0.0, "AdamW learning rate (0: 2e-5 as in the paper; 1e-3 for the testbed)")
-    warmup_steps: int = flag(15, "linear LR warm-up, in training steps")
-    weight_decay: float = flag(0.01, "AdamW weight decay")
-    grad_clip: float = flag(1.0, "max grad norm per optimizer step (0: off)")
-    mini_batch_size: int = flag(0, "at most this many samples per optimizer step, split evenly "
-                                   "(0: tasks_per_step x group_size)")
-    temperature: float = flag(0.7, "sampling temperature (log-probs use the same)")
-    shuffle: bool = flag(True, "shuffle a policy's samples before splitting them into mini-batches")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Reading a solver's answer and scoring a workflow's final answer against the task.
 
-Math answers are compared numerically (``answers_match``); code answers pass only if the program
+Math answers are checked with ``check_answer`` (exact arithmetic for generated tasks, math-verify
+equivalence for GSM8K / MATH files); code answers pass only if the program
 passes the task's tests inside the sandbox — never in-process. Code verdicts are cached per
 (task, answer): GRPO groups produce many identical programs.
 """
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from gradscope.trainers.sandbox import Limits, check_program
-from gradscope.trainers.tasks import answers_match, extract_answer, sandbox_args
+from gradscope.trainers.tasks import check_answer, extract_answer, sandbox_args
 from gradscope.trainers.tasks.base import Task
 from gradscope.trainers.workflows.base import Episode
 
@@ -44,6 +45,6 @@ class Scorer:
             if ep.answer is None:
                 ep.reward = 0.0
             elif ep.task.kind == "math":
-                ep.reward = float(answers_match(ep.answer, ep.task.answer))
+                ep.reward = float(check_answer(ep.task, ep.answer))
             else:
                 ep.reward = float(self._code_cache[(ep.task.id, ep.answer)])

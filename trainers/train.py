@@ -35,7 +35,7 @@ from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_pat
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
-from gradscope.trainers.tasks import answers_match, load_tasks
+from gradscope.trainers.tasks import check_answer, load_tasks
 from gradscope.trainers.tasks.base import Task, TaskSet
 from gradscope.trainers.workflows import WORKFLOWS, Templates
 from gradscope.trainers.workflows.base import Episode, Workflow
@@ -301,4 +301,4 @@ def _episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, floa
 
 def _math_correct(task: Task, text: str) -> bool:
     answer, _ = solver_answer(task, text)
-    return answer is not None and answers_match(answer, task.answer)
+    return answer is not None and check_answer(task, answer)

@@ -1,4 +1,4 @@
-"""``gradscope info``: a plain-text summary of what a run file holds."""
+"""``gradscope info``: a plain-text summary of what a run file holds (a missing value reads ``—``)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+from gradscope.labels import MISSING, number, text
 from gradscope.runfile.reader import RunReader, open_run
 
 _MAX_NAMES = 8  # list at most this many scalar names / groups before abbreviating
@@ -28,7 +29,7 @@ def _age(path: str) -> str:
     try:
         seconds = max(0.0, time.time() - os.path.getmtime(path))
     except OSError:
-        return "unknown"
+        return MISSING
     if seconds < 120:
         return f"{seconds:.0f} s ago"
     if seconds < 7200:
@@ -50,14 +51,14 @@ def _last_record_summary(run: RunReader) -> str:
     total = float(cols["total_norm"])
     shares = ", ".join(f"{role} {float(cols[f'share/{role}']):.2f}"
                        for role in meta.roles if f"share/{role}" in cols)
-    text = f"total norm {total:.4g}; shares: {shares or '(none)'}"
+    line = f"total norm {total:.4g}; shares: {shares or '(none)'}"
     if meta.update_unit:
         units = meta.roles if meta.update_unit == "role" else meta.agent_roles
         upd = derive_updates(run.read("update_gram", -1)[0], run.read("update_interference", -1)[0], units,
                              meta.agent_roles, meta.roles)
-        text += "; update shares: " + ", ".join(f"{c} {float(upd[f'update_share/{c}']):.2f}"
+        line += "; update shares: " + ", ".join(f"{c} {number(float(upd[f'update_share/{c}']), '.2f')}"
                                                 for c in [*meta.roles, "weight_decay"])
-    return text
+    return line
 
 
 def render_info(path: str | os.PathLike[str]) -> str:
@@ -72,15 +73,15 @@ def render_info(path: str | os.PathLike[str]) -> str:
         meta = run.meta
         add = lambda label, text: lines.append((label, text))  # noqa: E731
         add("run file", f"{path} (schema {run.schema_version})")
-        add("created", meta.created or "(unknown)")
+        add("created", meta.created or MISSING)
         if run.closed:
             add("writer", "closed cleanly")
         else:
             add("writer", f"not closed: live or killed (file last modified {_age(path)}; "
                           f"only committed records are shown)")
         add("versions", _names([f"{k} {v}" for k, v in meta.versions.items()], limit=20))
-        add("seed", "(none)" if meta.seed is None else str(meta.seed))
-        add("probe method", meta.probe_method or "(unknown)")
+        add("seed", text(meta.seed))
+        add("probe method", meta.probe_method or MISSING)
         add("updates", f"split by {meta.update_unit} into {', '.join(meta.update_components)}"
             if meta.update_unit else "(no update attribution)")
         add("agents", ", ".join(f"{a} ({r})" for a, r in zip(meta.agents, meta.agent_roles)))

@@ -320,10 +320,16 @@ class RunReader:
 
     @property
     def scalars(self) -> pd.DataFrame:
-        """(N, S) DataFrame, one float64 column per declared scalar; index = record number."""
+        """One row per record (index = record number): ``step`` (int64), ``policy`` (name; missing
+        where the record has none), then one float64 column per declared scalar (a scalar itself
+        named ``step`` or ``policy`` is shown as ``scalar/step``, ``scalar/policy``)."""
         import pandas as pd
 
-        return pd.DataFrame(self._cached("scalars"), columns=pd.Index(self.meta.scalar_names, dtype=object))
+        values = self._cached("scalars")
+        cols: dict[str, Any] = {"step": self.step, "policy": self.policy}
+        for j, name in enumerate(self.meta.scalar_names):
+            cols["scalar/" + name if name in ("step", "policy") else name] = values[:, j]
+        return pd.DataFrame(cols, index=pd.RangeIndex(self.n_steps))
 
     # --- evaluations, metrics and events -------------------------------------------------------
 
@@ -396,21 +402,34 @@ class RunReader:
 
     # --- derived statistics --------------------------------------------------------------------
 
-    def stats(self) -> pd.DataFrame:
-        """One row per record: step, opt_step, policy, then every column of ``gradscope.stats.derive`` and,
-        with update attribution, of ``gradscope.stats.derive_updates``."""
+    def stats(self, per: str = "record") -> pd.DataFrame:
+        """Every column of ``gradscope.stats.derive`` (and, with update attribution, of
+        ``gradscope.stats.derive_updates``), per record or per training step.
+
+        ``per="record"``: one row per record — ``step``, ``opt_step``, ``policy``, then the columns.
+        ``per="step"``: one row per training step with records — ``step``, ``records`` (how many),
+        then each column averaged over the step's records in which its agent / role has a gradient
+        (``gradscope.steps.step_columns``: the rule the detectors and alerts use), so a step's
+        several optimizer-step records (one per policy under IP) give one point, not a zigzag.
+        """
         import pandas as pd
 
-        from gradscope.stats import derive, derive_updates  # lazy: the reader works without the stats module
+        from gradscope import steps  # lazy: the reader works without the stats modules
+        from gradscope.stats import derive, derive_updates
 
+        if per not in ("record", "step"):
+            raise ValueError(f"stats(per=...) must be 'record' or 'step', got {per!r}")
         meta = self.meta
-        cols: dict[str, Any] = {"step": self.step, "opt_step": self.opt_step, "policy": self.policy}
-        cols.update(derive(self.gram, self.tokens, meta.agents, meta.agent_roles))
+        cols: dict[str, Any] = derive(self.gram, self.tokens, meta.agents, meta.agent_roles)
         if meta.update_unit:
             units = meta.roles if meta.update_unit == "role" else meta.agent_roles
             cols.update(derive_updates(self.update_gram, self.update_interference, units, meta.agent_roles,
                                        meta.roles))
-        return pd.DataFrame(cols)
+        if per == "record":
+            return pd.DataFrame({"step": self.step, "opt_step": self.opt_step, "policy": self.policy, **cols})
+        step, per_step = steps.step_columns(cols, self.gram, self.step, meta.agents, meta.agent_roles)
+        records = np.bincount(np.searchsorted(step, self.step), minlength=len(step))
+        return pd.DataFrame({"step": step.astype(np.int64), "records": records.astype(np.int64), **per_step})
 
     # --- lifetime ------------------------------------------------------------------------------
 

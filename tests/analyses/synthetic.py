@@ -31,7 +31,9 @@ share a direction with ρ ≥ 0.65 (coherence ≥ 0.86 for n ≤ 4), either with
 step (``rising``) or flat at 3–5× the other roles (``dominant``); before s0 they are independent.
 Negative: independent agents (coherence ≈ 1/√n ≤ 0.58) however much their norm grows;
 moderate alignment (coherence ≈ 0.62–0.65) with growing, dominant norm; coherent but with a
-shrinking norm that is not dominant (the definition excludes it); coherent bursts of 3–5 steps,
+shrinking norm that is not dominant (the definition excludes it), also when the norm halves every
+25 steps under 10–14 % multiplicative step noise for 150–260 steps (``falling-noisy``: windows whose
+noise happens to slope upward must not read as a rising norm); coherent bursts of 3–5 steps,
 ≥ 12 steps apart (shorter than 80 % of the window); one-agent roles whatever they do.
 
 **Capture** (in a parameter set shared by ≥ 2 roles, one role's contribution share ≥ 0.7 on ≥ 8
@@ -282,6 +284,14 @@ def amplification_case(family: str, seed: int) -> Case:
         track = np.exp(-growth * np.arange(T))
         norm[role] = track
         norm.update({r: track * float(rng.uniform(0.8, 1.2)) for r in others})
+    elif kind == "falling-noisy":  # coherent throughout, norm halving every 25 steps, 10-14% step noise
+        T = int(rng.integers(150, 260))
+        rho[role] = float(rng.uniform(0.7, 0.9))
+        fall = 0.5 ** (np.arange(T) / 25)
+        sd = float(rng.uniform(0.10, 0.14))
+        norm[role] = fall * np.maximum(1 + sd * rng.standard_normal(T), 0.05)
+        norm.update({r: fall * float(rng.uniform(0.8, 1.2)) * np.maximum(1 + sd * rng.standard_normal(T), 0.05)
+                     for r in others})
     elif kind == "burst":         # coherent bursts of 3-5 steps, rising norm
         burst = _bursts(T, rng, (3, 5), 12)
         rho[role] = np.where(burst, 0.9, 0.0)
@@ -304,6 +314,7 @@ AMPLIFICATION_FAMILIES = (
     "noise/voting", "noise/voting-ip", "noise/voting5", "noise/orch",
     "moderate/voting", "moderate/voting-ip",
     "shrinking/voting", "shrinking/voting-ip", "shrinking-all/voting", "shrinking-all/orch",
+    "falling-noisy/voting", "falling-noisy/voting-ip", "falling-noisy/pair-ip", "falling-noisy/orch",
     "burst/voting", "burst/voting-ip",
     "single/evalopt",
 )

@@ -9,6 +9,7 @@ evaluation intervals for cliffs. ``pytest -s`` prints the confusion counts and o
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,12 +18,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradscope.analyses import (AnalysisConfig, CaptureConfig, analyze_series, detect_amplification, detect_capture,
-                      detect_cliff, find_cliffs)
-from gradscope.analyses.findings import Finding
+from gradscope.analyses import (AmplificationConfig, AnalysisConfig, CaptureConfig, analyze_series,
+                                detect_amplification, detect_capture, detect_cliff, find_cliffs)
+from gradscope.analyses.findings import Finding, Report
 from gradscope.analyses.report import to_json, to_markdown, to_text
 from gradscope.analyses.series import RunSeries
-from gradscope.analyses.windows import episodes, rolling_slope, rolling_sum, sustained
+from gradscope.analyses.windows import episodes, merge_close, rolling_fit, rolling_slope, rolling_sum, sustained
 from tests.analyses import synthetic as syn
 
 DETECTORS = {"amplification": detect_amplification, "capture": detect_capture, "cliff": detect_cliff}
@@ -340,6 +341,32 @@ def _naive_slope(y: np.ndarray, w: int) -> np.ndarray:
     return out
 
 
+def _naive_se(y: np.ndarray, w: int) -> np.ndarray:
+    """Standard error of the slope from numpy's own least-squares fit (NaN with fewer than 3 points)."""
+    out = np.full(y.shape, np.nan)
+    for t in range(len(y)):
+        for idx in np.ndindex(*y.shape[1:]):
+            tt = np.arange(max(0, t - w + 1), t + 1)
+            yy = y[(tt, *[np.full(len(tt), i) for i in idx])]
+            ok = np.isfinite(yy)
+            if ok.sum() >= 3:
+                _, res, *_ = np.polyfit(tt[ok].astype(float), yy[ok], 1, full=True)
+                ssr = float(res[0]) if len(res) else 0.0
+                sxx = float(((tt[ok] - tt[ok].mean()) ** 2).sum())
+                out[(t, *idx)] = np.sqrt(ssr / (ok.sum() - 2) / sxx)
+    return out
+
+
+def _naive_merge(spans: list[tuple[int, int]], steps: np.ndarray, gap: int) -> list[tuple[int, int]]:
+    groups = [[spans[0]]] if spans else []
+    for a, b in spans[1:]:
+        if steps[a] - steps[groups[-1][-1][1]] <= gap:
+            groups[-1].append((a, b))
+        else:
+            groups.append([(a, b)])
+    return [(g[0][0], g[-1][1]) for g in groups]
+
+
 def _naive_episodes(q: np.ndarray, w: int) -> list[tuple[int, int]]:
     out, t = [], 0
     while t < len(q):
@@ -371,8 +398,78 @@ def test_windows_match_naive_loops(seed: int) -> None:
             y = np.cumsum(rng.normal(size=shape), axis=0)
             y[rng.uniform(size=shape) < 0.2] = np.nan  # NaN: zero weight
             assert np.allclose(rolling_slope(y, w), _naive_slope(y, w), atol=1e-8)
+            slope, se = rolling_fit(y, w)
+            assert np.allclose(slope, _naive_slope(y, w), atol=1e-8)
+            assert np.allclose(se, _naive_se(y, w), atol=1e-6, equal_nan=True)
         q = rng.uniform(size=shape[0]) < 0.4
+        steps = np.cumsum(rng.integers(1, 4, size=shape[0]))   # training steps need not be contiguous
         for w in (1, 4, 10):
             assert episodes(q, w) == _naive_episodes(q, w)
+            for gap in (0, 3, 15):
+                assert merge_close(episodes(q, w), steps, gap) == _naive_merge(episodes(q, w), steps, gap)
     assert episodes(np.zeros(5, dtype=bool), 3) == []
     assert not sustained(np.ones(4, dtype=bool), 10, 0.8).any()  # never a partial window
+
+
+# ------------------------------------------------------------------ significance, merging, bounded output
+FALLING = [f for f in syn.AMPLIFICATION_FAMILIES if f.startswith("falling-noisy/")]
+
+
+def test_coherent_roles_with_a_noisy_falling_norm_are_not_amplification() -> None:
+    """Coherent roles whose norm halves every 25 steps under 10–14 % step noise (the false alarms of
+    a rule that read any positive 10-step slope as "rising") give no amplification finding. The
+    cases do exercise the rule: every one is coherent and has coherent windows whose raw log-norm
+    slope is positive (noise), which a "slope > 0" rule would have reported."""
+    cfg = AmplificationConfig()
+    exercised = 0
+    for family in FALLING:
+        for seed in range(25):
+            s = syn.amplification_case(family, seed).series
+            r = s.roles.index("worker" if "orch" in family else "voter")
+            coherent = sustained(s.coherence[:, r] >= cfg.coherence, cfg.window, cfg.fraction)
+            upward = rolling_slope(np.log(s.role_norm[:, r]), cfg.window) > 0
+            assert coherent.mean() > 0.5, f"{family}/{seed}: not coherent"
+            exercised += bool((coherent & upward).any())
+            found = detect_amplification(s)
+            assert not found, f"{family}/{seed}: {_describe(found)}"
+    assert exercised >= 0.75 * 25 * len(FALLING), exercised
+
+
+def test_a_role_hovering_at_the_threshold_gives_few_findings() -> None:
+    """A noisy two-agent role whose coherence hovers just above the threshold for 600 steps (it holds
+    on 80% of a window only now and then), its norm 2× the other role's: qualifying stretches fewer
+    than ``gap`` steps apart are one finding, and findings are more than ``gap`` steps apart."""
+    T = 600
+    rng = np.random.default_rng(7)
+    coh = 0.79 + 0.03 * rng.standard_normal(T)               # planted; measured ≈ 0.785, ≥ 0.75 on 80% of steps
+    s = syn.make_series(syn.PAIR, T, rho={"voter": np.clip([syn.rho_for(c, 2) for c in coh], 0, 1)},
+                        norm={"voter": 2.2 * (1 + 0.1 * rng.standard_normal(T))}, seed=3)
+    merged = detect_amplification(s)
+    unmerged = detect_amplification(s, AmplificationConfig(gap=0))
+    assert 1 <= len(merged) < len(unmerged) / 3, (len(merged), len(unmerged))
+    starts = [f.start for f in merged]
+    ends = [f.end for f in merged]
+    assert all(b - a > AmplificationConfig().gap for a, b in zip(ends[:-1], starts[1:]))
+
+
+def _finding(kind: str, severity: str, onset: int) -> Finding:
+    return Finding(kind=kind, severity=severity, summary=f"{kind} at {onset}", onset=onset, start=onset,
+                   end=onset + 9, role="voter", evidence={"x": float("nan"), "y": None})
+
+
+def test_text_reports_show_at_most_n_findings_per_kind_and_json_all() -> None:
+    findings = [_finding("amplification", "warning", 10 * i) for i in range(12)]
+    findings[7] = _finding("amplification", "critical", 70)
+    findings += [_finding("capture", "warning", 5)]
+    report = Report(run="r.h5", summary={"steps": 130, "records": 130}, findings=findings, notes=[])
+    text, md = to_text(report, max_per_kind=3), to_markdown(report, max_per_kind=3)
+    for out in (text, md):
+        assert out.count("amplification at ") == 3 and out.count("capture at ") == 1
+        assert "amplification at 70" in out          # the critical one is kept, then the earliest
+        assert "amplification at 0" in out and "amplification at 10" in out and "amplification at 20" not in out
+        assert "9 more amplification finding(s) not shown" in out and "more capture" not in out
+        assert "unknown / unknown / policy unknown" in out and "—" in out and "nan" not in out
+    assert to_text(report, max_per_kind=None).count("amplification at ") == 12
+    data = json.loads(to_json(report))
+    assert len(data["findings"]) == 13 and data["findings"][0]["evidence"] == {"x": None, "y": None}
+    assert data["summary"] == {"steps": 130, "records": 130}

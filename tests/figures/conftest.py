@@ -3,7 +3,8 @@
 Every Gram matrix is ``G Gᵀ`` of random per-agent gradient vectors (16 dimensions), so norms and
 cosines are consistent. Voting layout: three voters and an aggregator; IP logs one record per
 policy per step (a voter record holds only the voters' gradients), SP one record of all agents
-under the policy ``shared``. A cliff run's held-out accuracy rises to 0.6 by step 20 and falls to
+under the policy ``shared``; ``sp_noconfig`` is an SP run whose file holds no config (as another
+framework's loop may write it). A cliff run's held-out accuracy rises to 0.6 by step 20 and falls to
 0.05 from step 26 on (evaluations every 2 steps); its voters turn coherent and the aggregator's
 gradient grows 10× from step 18.
 """
@@ -42,12 +43,13 @@ def agent_vectors(step: int, roles: list[str], cliff: bool, rng: np.random.Gener
 
 def write_run(path: Path, *, policy: str = "sp", cliff: bool = False, steps: int = 40, evals: bool = True,
               grads: bool = True, workflow: str = "voting", task: str = "math", model: str = "testbed",
-              seed: int = 0, eval_every: int = 2) -> Path:
+              seed: int = 0, eval_every: int = 2, config: bool = True) -> Path:
     agents, roles = VOTING if workflow == "voting" else EVALOPT
     role_names = list(dict.fromkeys(roles))
     policies = role_names if policy == "ip" else ["shared"]
     meta = RunMeta(agents=agents, agent_roles=roles, roles=role_names, policies=policies, scalar_names=[],
-                   config={"workflow": workflow, "task": task, "model": model, "policy": policy, "seed": seed})
+                   config={"workflow": workflow, "task": task, "model": model, "policy": policy, "seed": seed}
+                   if config else {})
     rng = np.random.default_rng(seed + 1000 * cliff)
     tokens = np.array([60 if r == "voter" else 20 for r in roles])
     with RunWriter(path, meta, flush_every=8) as w:
@@ -81,6 +83,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "sp_ok2": dict(policy="sp", seed=1),
         "sp_ok3": dict(policy="sp", seed=2),
         "sp_noevals": dict(policy="sp", evals=False),
+        "sp_noconfig": dict(policy="sp", config=False),
         "single": dict(policy="sp", steps=1, eval_every=1),
         "evals_only": dict(policy="sp", grads=False),
         "evalopt_ip": dict(policy="ip", workflow="evalopt"),

@@ -249,7 +249,7 @@ def test_table(runs):
     assert df["cliff_onset"].iloc[0] == 26
     md = format_table(df, "md").splitlines()
     assert md[0].startswith("| run | workflow | task | model | policy | base | peak")
-    assert "yes (step 26)" in md[2] and "| no |" in md[3] and md[4].count("–") >= 5
+    assert "yes (step 26)" in md[2] and "| no |" in md[3] and md[4].count("—") >= 5
     csv = format_table(df, "csv").splitlines()
     assert csv[0].split(",")[:5] == ["run", "workflow", "task", "model", "policy"] and len(csv) == 5
     tex = format_table(df, "latex")

@@ -114,8 +114,9 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
         assert np.array_equal(run.tokens, want["tokens"]) and run.tokens.dtype == np.int64
         assert np.all(np.diff(run.time) >= 0)
         scalars = run.scalars
-        assert list(scalars.columns) == meta.scalar_names and len(scalars) == want["n"]
-        assert np.array_equal(_bits(scalars.to_numpy()), _bits(want["scalars"]))
+        assert list(scalars.columns) == ["step", "policy", *meta.scalar_names] and len(scalars) == want["n"]
+        assert np.array_equal(scalars["step"], want["step"])
+        assert np.array_equal(_bits(scalars[meta.scalar_names].to_numpy()), _bits(want["scalars"]))
 
         evals = run.evals
         assert list(evals.columns) == ["step", "name", "value"]
@@ -184,7 +185,7 @@ def test_minimal_metadata(tmp_path: Path) -> None:
     with open_run(path) as run:
         assert run.meta.roles == ["solo"] and run.meta.seed is None
         assert run.group_gram is None
-        assert run.scalars.shape == (4, 0)
+        assert run.scalars.shape == (4, 2)  # step and policy only
         assert list(run.policy) == [None] * 4
         assert run.evals.empty and run.events.empty and run.metrics.empty and run.n_metrics == 0
         assert run.metrics_wide().empty and run.evals_wide().empty

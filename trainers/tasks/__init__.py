@@ -10,14 +10,14 @@ from pathlib import Path
 from .base import Task, TaskError, TaskFileError, TaskSet, split
 from .code import (build_program, generate_toy_code, load_humaneval, sandbox_args, toy_body,
                    toy_program)
-from .math import (answers_match, extract_answer, generate_math, is_correct, load_math_jsonl,
-                   normalise_answer)
+from .math import (answers_equivalent, answers_match, check_answer, extract_answer, generate_math, is_correct,
+                   load_math_jsonl, normalise_answer)
 
 __all__ = [
     "Task", "TaskSet", "TaskError", "TaskFileError", "split", "load_tasks", "TASK_NAMES",
     "generate_math", "load_math_jsonl", "extract_answer", "normalise_answer", "answers_match",
-    "is_correct", "load_humaneval", "generate_toy_code", "toy_body", "toy_program", "build_program",
-    "sandbox_args",
+    "answers_equivalent", "check_answer", "is_correct", "load_humaneval", "generate_toy_code", "toy_body",
+    "toy_program", "build_program", "sandbox_args",
 ]
 
 #: Accepted ``task`` names; ``"code"`` means the toy family unless ``source="humaneval"``.

@@ -2,14 +2,18 @@
 
 Generated problems are sized for the character-level testbed model (prompts of 6-9 characters,
 fixed-width answers); the loaders take real datasets given by path. Model outputs are scored with
-:func:`extract_answer` + :func:`answers_match` (or :func:`is_correct`, which does both).
+:func:`extract_answer` + :func:`check_answer` (or :func:`is_correct`, which does both): generated
+problems by exact arithmetic (:func:`answers_match`), GSM8K / MATH file problems by
+:func:`answers_equivalent`, which adds HF math-verify's symbolic equivalence.
 """
 from __future__ import annotations
 
 import gzip
 import json
 import re
+import threading
 from fractions import Fraction
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +22,7 @@ from .base import Task, TaskError, TaskFileError, rng_for, unique_draws
 __all__ = [
     "PROMPT_TEMPLATE", "LEVELS", "DEFAULT_WIDTH", "format_prompt", "format_answer", "generate_math",
     "load_math_jsonl", "extract_answer", "extract_boxed", "normalise_answer", "parse_number",
-    "answers_match", "is_correct",
+    "answers_match", "answers_equivalent", "check_answer", "is_correct",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -286,8 +290,56 @@ def answers_match(pred: str | None, ref: str | None, *, rel_tol: float = 1e-9) -
     return bool(na) and na == nb
 
 
+#: Seconds math-verify may spend on one parse or one comparison (its SIGALRM timeout).
+MATH_VERIFY_TIMEOUT_S = 2
+
+
+def answers_equivalent(pred: str | None, ref: str | None) -> bool:
+    """Whether a predicted answer is mathematically the reference (GSM8K / MATH answers).
+
+    :func:`answers_match` first (exact numbers, normalised strings); when that fails and either side
+    is not a plain number, HF math-verify (``parse`` + ``verify``) decides: ``\\frac{\\sqrt{3}}{2}``
+    = ``\\frac{\\sqrt3}{2}``, ``2\\sqrt{2}`` = ``\\sqrt{8}``, ``5 cm`` / ``5\\text{ cm}`` = ``5``,
+    ``50\\%`` = ``50`` = ``0.5``, ``\\$1,234.50`` = ``1234.5``, ``x=3`` = ``3``, ``10^{3}`` = ``1000``,
+    ``3, 4`` = ``4, 3`` (sets), ``(1,2)`` = ``(1, 2)`` (intervals). Each side is tried as LaTeX
+    (inside ``$…$``) and as plain text. math-verify's timeout is a SIGALRM alarm (it cancels one the
+    caller had set), which only the main thread can take: in another thread the comparison stops
+    at :func:`answers_match`. Results are cached.
+    """
+    if pred is None or ref is None:
+        return False
+    if answers_match(pred, ref):
+        return True
+    if parse_number(pred) is not None and parse_number(ref) is not None:
+        return False  # two plain numbers: the exact comparison is the answer
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    return _verified(str(pred).strip(), str(ref).strip())
+
+
+@lru_cache(maxsize=65536)
+def _verified(pred: str, ref: str) -> bool:
+    from math_verify import parse, verify  # sympy + ANTLR: ~1 s to import, only for file tasks
+
+    def parsed(text: str) -> list:
+        return [p for p in (parse(f"${text}$", parsing_timeout=MATH_VERIFY_TIMEOUT_S),
+                            parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)) if p]
+
+    return any(verify(gold, guess, timeout_seconds=MATH_VERIFY_TIMEOUT_S)
+               for gold in parsed(ref) for guess in parsed(pred))
+
+
+def check_answer(task: Task, pred: str | None) -> bool:
+    """Whether an extracted answer solves a math ``task``: GSM8K / MATH file tasks by
+    :func:`answers_equivalent`; generated tasks (the testbed's arithmetic) by the exact
+    :func:`answers_match` — an expression such as ``4+38`` is not an answer to ``17+25=``."""
+    if task.meta.get("format") in ("gsm8k", "math"):
+        return answers_equivalent(pred, task.answer)
+    return answers_match(pred, task.answer)
+
+
 def is_correct(task: Task, output: str | None, *, strict_width: bool = False) -> bool:
-    """Whether a model ``output`` answers a math ``task``: extract, then :func:`answers_match`.
+    """Whether a model ``output`` answers a math ``task``: extract, then :func:`check_answer`.
 
     With ``strict_width`` and a fixed-width task, the extracted answer must also be written with
     exactly the task's width (``"042"``, not ``"42"``).
@@ -298,7 +350,7 @@ def is_correct(task: Task, output: str | None, *, strict_width: bool = False) ->
     width = task.meta.get("width")
     if strict_width and width is not None and re.sub(r"[\s$]", "", pred) != task.answer:
         return False
-    return answers_match(pred, task.answer)
+    return check_answer(task, pred)
 
 
 # ---------------------------------------------------------------------------------------------

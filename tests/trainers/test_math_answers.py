@@ -1,0 +1,97 @@
+"""Math answer equivalence: HF math-verify for GSM8K / MATH tasks, exact arithmetic for generated ones.
+
+Each "more complete" case is one the hand-written normaliser (``answers_match``) gets wrong, so a
+pass here is math-verify's doing; the negatives must stay wrong under both.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from gradscope.trainers.tasks import (answers_equivalent, answers_match, check_answer, generate_math, is_correct,
+                                      load_math_jsonl)
+
+# (prediction, reference): equal, and beyond answers_match
+MORE_COMPLETE = [
+    (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt3}{2}"),            # fractions
+    (r"0.75", r"\frac{3}{4} \text{ of the cake}"),
+    (r"2\sqrt{2}", r"\sqrt{8}"),
+    (r"\pi/2", r"\frac{\pi}{2}"),
+    (r"\boxed{\frac{\pi}{4}}", r"\pi/4"),                     # \boxed
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
+    ("5 cm", "5"),                                            # units
+    (r"5\text{ cm}", "5"),
+    (r"12 \mathrm{m}^2", "12"),
+    ("50%", "50"),                                            # percentages
+    (r"50\%", "50"),
+    (r"25\%", r"\frac{1}{4}"),
+    (r"\$1,234.50", "1234.5"),                                # thousands separators
+    ("1,234,567 dollars", "1234567"),
+    ("x=3", "3"),
+    ("10^{3}", "1000"),
+    ("3, 4", "4, 3"),
+]
+# equal under both (the exact path keeps them)
+BOTH = [("042", "42"), ("1,234", "1234"), ("0.5", r"\frac{1}{2}"), (r"\boxed{\frac{1}{2}}", "1/2"), ("2.50", "2.5")]
+# never equal
+WRONG = [("0.33", r"\frac{1}{3}"), ("1,235", "1234"), (r"\frac{1}{3}", r"\frac{1}{2}"), ("51%", "50"), ("5 cm", "6"),
+         (r"\sqrt{2}", r"\sqrt{3}"), ("x=4", "3"), ("", "3"), (None, "3"), ("3", None), (r"\boxed{2}", r"\boxed{3}")]
+
+
+@pytest.mark.parametrize("pred, ref", MORE_COMPLETE)
+def test_math_verify_is_more_complete(pred: str, ref: str) -> None:
+    assert not answers_match(pred, ref), "the hand-written normaliser already gets this one"
+    assert answers_equivalent(pred, ref)
+
+
+@pytest.mark.parametrize("pred, ref", BOTH)
+def test_plain_equalities_hold_under_both(pred: str, ref: str) -> None:
+    assert answers_match(pred, ref) and answers_equivalent(pred, ref)
+
+
+@pytest.mark.parametrize("pred, ref", WRONG)
+def test_wrong_answers_stay_wrong(pred, ref) -> None:
+    assert not answers_match(pred, ref) and not answers_equivalent(pred, ref)
+
+
+def test_generated_tasks_keep_the_exact_arithmetic_check() -> None:
+    """The testbed's problems are scored exactly: an expression that evaluates to the answer, a unit
+    or a percent sign is not the answer there (math-verify would accept ``4+38`` for 42)."""
+    task = next(t for t in generate_math(50, level=1, seed=3) if t.meta["value"] > 20)
+    value = task.meta["value"]
+    assert check_answer(task, str(value)) and check_answer(task, task.answer)
+    for wrong in (f"{value - 10}+10", f"{value} cm", f"{value}%", str(value + 1)):
+        assert not check_answer(task, wrong), wrong
+    assert answers_equivalent(f"{value - 10}+10", str(value))  # ... as it would on a file task
+
+
+def test_file_tasks_use_math_verify(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"question": "How many?", "answer": "She has 1234 eggs.\n#### 1,234"},
+            {"problem": "Evaluate.", "solution": r"So it is $\boxed{\frac{\sqrt3}{2}}$."},
+            {"problem": "What percent?", "solution": r"The share is $\boxed{25}$."}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    gsm, math, pct = load_math_jsonl(path)
+    assert is_correct(gsm, "The total is $1,234.00.") and is_correct(gsm, "#### 1234")
+    assert not is_correct(gsm, "The total is 1,243.")
+    assert is_correct(math, r"Hence the value is $\boxed{\dfrac{\sqrt{3}}{2}}$.")
+    assert not is_correct(math, r"Hence $\boxed{\frac{\sqrt{2}}{2}}$.")
+    assert is_correct(pct, r"so the answer is $\boxed{25\%}$") and not check_answer(pct, "52%")
+
+
+def test_other_threads_fall_back_to_the_exact_check() -> None:
+    """math-verify's timeout needs SIGALRM (main thread only); elsewhere the exact check decides."""
+    got: dict[str, bool] = {}
+
+    def work() -> None:
+        got["units"] = answers_equivalent("7 cm", "7")
+        got["plain"] = answers_equivalent("1,000", "1000")
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert got == {"units": False, "plain": True}
+    assert answers_equivalent("7 cm", "7")  # and in the main thread, math-verify
