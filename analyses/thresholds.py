@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from gradscope.ranges import COUNT, WHOLE, Range
+
 
 @dataclass(frozen=True)
 class AmplificationConfig:
@@ -43,23 +45,29 @@ class AnalysisConfig:
     cliff: CliffConfig = field(default_factory=CliffConfig)
 
 
+#: Allowed values of the threshold flags (coherence AF/n lies in [0, 1]; a signed contribution share
+#: can be any finite number); a bad one is argparse's one-line usage error.
+UNIT, NONNEG, SHARE = Range(0, 1), Range(0), Range()
+
+
 def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     """The threshold flags of ``analyze`` and ``compare``, defaulting to the dataclasses' values."""
     a, c, k = AmplificationConfig(), CaptureConfig(), CliffConfig()
-    p.add_argument("--coherence", type=float, default=a.coherence, help="amplification: coherence threshold")
-    p.add_argument("--norm-ratio", type=float, default=a.norm_ratio,
+    p.add_argument("--coherence", type=UNIT.arg, default=a.coherence, help="amplification: coherence threshold")
+    p.add_argument("--norm-ratio", type=NONNEG.arg, default=a.norm_ratio,
                    help="amplification: 'dominant' when the role's norm is this many times the other roles' median")
-    p.add_argument("--rise-z", type=float, default=a.rise_z,
+    p.add_argument("--rise-z", type=NONNEG.arg, default=a.rise_z,
                    help="amplification: 'rising' when the log-norm's slope over the window is this many standard "
                         "errors above 0")
-    p.add_argument("--share", type=float, default=c.share, help="capture: contribution-share threshold")
-    p.add_argument("--window", type=int, default=a.window, help="steps per detection window")
-    p.add_argument("--fraction", type=float, default=a.fraction, help="share of a window above threshold")
-    p.add_argument("--gap", type=int, default=a.gap,
+    p.add_argument("--share", type=SHARE.arg, default=c.share, help="capture: contribution-share threshold")
+    p.add_argument("--window", type=COUNT.arg, default=a.window, help="steps per detection window")
+    p.add_argument("--fraction", type=Range(0, 1, lo_open=True).arg, default=a.fraction,
+                   help="share of a window above threshold")
+    p.add_argument("--gap", type=WHOLE.arg, default=a.gap,
                    help="amplification and capture: episodes of one role closer than this many steps merge")
-    p.add_argument("--min-drop", type=float, default=k.min_drop, help="cliff: absolute accuracy drop")
-    p.add_argument("--min-rel-drop", type=float, default=k.min_rel_drop, help="cliff: relative drop")
-    p.add_argument("--within", type=int, default=k.within, help="cliff: evaluations from onset to threshold")
+    p.add_argument("--min-drop", type=NONNEG.arg, default=k.min_drop, help="cliff: absolute accuracy drop")
+    p.add_argument("--min-rel-drop", type=UNIT.arg, default=k.min_rel_drop, help="cliff: relative drop")
+    p.add_argument("--within", type=COUNT.arg, default=k.within, help="cliff: evaluations from onset to threshold")
 
 
 def config_from(args: argparse.Namespace) -> AnalysisConfig:

@@ -21,6 +21,7 @@ matplotlib.use("Agg")  # files only: never open a window, never need a display
 from gradscope.figures import data  # noqa: E402
 from gradscope.figures.style import parse_formats, save  # noqa: E402
 from gradscope.errors import ConfigError  # noqa: E402
+from gradscope.paths import atomic_output  # noqa: E402
 
 KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep", "updates")
 SINGLE = ("shares", "alignment", "updates")
@@ -76,14 +77,10 @@ def make_figure(kind: str, series: list, args: argparse.Namespace):
 def plot_main(args: argparse.Namespace) -> int:
     kind = args.kind
     formats = parse_formats(args.format)
-    if args.dpi < 200:
-        raise ConfigError(f"--dpi must be at least 200 for print, got {args.dpi}")
     if kind in SINGLE and len(args.runs) != 1:
         raise ConfigError(f"plot {kind} takes one run file, got {len(args.runs)}")
     if args.steps and kind != "alignment":
         raise ConfigError("--steps applies to plot alignment only")
-    if args.smooth < 1 or args.window < 1:
-        raise ConfigError("--smooth and --window must be at least 1")
     series = _load(args.runs)
     fig = make_figure(kind, series, args)
     stem = Path(args.out) if args.out else default_stem(args.runs[0], kind)
@@ -98,11 +95,8 @@ def table_main(args: argparse.Namespace) -> int:
     text = format_table(summary_table(_load(args.runs)), args.format)
     if args.out:
         out = Path(args.out)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text)
-        except OSError as exc:
-            raise ConfigError(f"{out}: cannot write ({exc.strerror or exc})") from None
+        with atomic_output(out) as tmp:  # only ever replaces a regular file
+            tmp.write_text(text)
         print(out)
     else:
         print(text, end="")

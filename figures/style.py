@@ -9,7 +9,7 @@
   (:data:`POLICY_COLORS`, from Paul Tol's colour-blind-safe set), accuracy is near-black.
 * Sizes: :data:`WIDTHS` — ``one`` column (3.4 in) and ``two`` columns / full width (7.0 in) of a
   two-column paper; heights are chosen per figure.
-* Formats: PNG (``dpi`` ≥ 200, default 300), PDF and SVG, all with text kept as text (TrueType in
+* Formats: PNG (``dpi`` 200–1200, default 300), PDF and SVG, all with text kept as text (TrueType in
   PDF, ``<text>`` in SVG) and no timestamps, so re-running a script gives the same files.
 
 Figures are built as :class:`matplotlib.figure.Figure` objects without pyplot: nothing is
@@ -28,6 +28,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from gradscope.errors import ConfigError
+from gradscope.paths import atomic_output, check_output
+from gradscope.ranges import DPI
 
 #: Okabe & Ito (2008), "Color Universal Design": distinguishable under the common colour-vision
 #: deficiencies and in greyscale by lightness for the first few.
@@ -55,7 +57,6 @@ DIVERGING = "RdBu"           # ColorBrewer diverging map: colour-blind safe (red
 #: Figure widths in inches: one column and the full text width of a two-column paper.
 WIDTHS = {"one": 3.4, "two": 7.0}
 FORMATS = ("png", "pdf", "svg")
-MIN_DPI = 200
 
 
 def role_color(role: str) -> str:
@@ -147,24 +148,22 @@ def save(fig: Figure, path_stem: str | Path, formats: str | Sequence[str] = ("pn
     """Write ``fig`` as ``<path_stem>.<fmt>`` for each format; returns the paths written.
 
     A suffix of ``path_stem`` that is one of the formats is dropped (``out/fig.png`` → ``out/fig``).
-    PNGs get ``dpi`` (≥ 200); PDF and SVG are vector. Folders are created as needed.
+    PNGs get ``dpi`` (200–1200, ``gradscope.ranges.DPI``); PDF and SVG are vector. Folders are created as needed.
+    Only regular files are replaced, each at once (``gradscope.paths.atomic_output``): ConfigError, and
+    nothing written, if any of the paths is a directory, link, device or FIFO.
     """
     fmts = parse_formats(formats)
-    if dpi < MIN_DPI:
-        raise ConfigError(f"dpi must be at least {MIN_DPI} for print, got {dpi}")
+    DPI.check("dpi", dpi)
     stem = Path(path_stem)
     if stem.suffix.lower().lstrip(".") in FORMATS:
         stem = stem.with_suffix("")
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.parent / f"{stem.name}.{fmt}" for fmt in fmts]
+    for path in paths:  # all refused before any is written
+        check_output(path)
     metadata = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None},
                 "svg": {"Date": None}}
-    out = []
     with theme():
-        for fmt in fmts:
-            path = stem.parent / f"{stem.name}.{fmt}"
-            try:
-                fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata[fmt], facecolor="white")
-            except OSError as exc:
-                raise ConfigError(f"{path}: cannot write ({exc.strerror or exc})") from None
-            out.append(path)
-    return out
+        for fmt, path in zip(fmts, paths):
+            with atomic_output(path) as tmp:
+                fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata[fmt], facecolor="white")
+    return paths

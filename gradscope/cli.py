@@ -13,8 +13,14 @@ from collections.abc import Sequence
 
 from gradscope import __version__
 from gradscope.errors import GradscopeError
+from gradscope.ranges import COUNT, DPI, POLL, WAIT, WHOLE
 
 EXIT_USAGE = 2
+#: Commands that read run files: a damaged file's inf/NaN values print as values, without numpy's
+#: floating-point warnings; all but ``UNTIMED`` are bounded in time as a whole ($GRADSCOPE_READ_TIMEOUT,
+#: docs/cli.md): ``watch`` follows a live run for as long as it lasts, ``export`` waits on a dashboard.
+READ_COMMANDS = ("info", "analyze", "compare", "plot", "table", "watch", "export")
+UNTIMED = ("watch", "export")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -118,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: train Voting/math with IP and SP on the testbed")
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
-    p.add_argument("--steps", type=int, default=100, help="training steps per run")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--steps", type=COUNT.arg, default=100, help="training steps per run")
+    p.add_argument("--threads", type=WHOLE.arg, default=0,
                    help="torch intra-op threads (0: one, the fastest for the testbed on a shared machine)")
     p.set_defaults(func=_cmd_demo)
 
@@ -149,10 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "closes it (docs/alerts.md).")
     p.add_argument("run", help="run file (.h5), live or finished")
     add_alert_arguments(p)
-    p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the file")
-    p.add_argument("--wait", type=float, default=0.0,
+    p.add_argument("--poll", type=POLL.arg, default=1.0, help="seconds between looks at the file")
+    p.add_argument("--wait", type=WAIT.arg, default=0.0,
                    help="wait up to this many seconds for the run file to appear (0: it must exist)")
-    p.add_argument("--idle", type=float, default=0.0,
+    p.add_argument("--idle", type=WAIT.arg, default=0.0,
                    help="also exit after this many seconds without new data (0: wait for the writer)")
     p.set_defaults(func=_cmd_watch)
 
@@ -168,11 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output path stem (default: next to the first run, <run>_<kind>)")
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg")
     p.add_argument("--size", choices=("one", "two"), default="two", help="paper width: one column or two")
-    p.add_argument("--dpi", type=int, default=300, help="PNG resolution, at least 200")
-    p.add_argument("--smooth", type=int, default=1, help="rolling mean over N steps for gradient curves")
+    p.add_argument("--dpi", type=DPI.arg, default=300, help=f"PNG resolution, {DPI.lo:d} to {DPI.hi:d}")
+    p.add_argument("--smooth", type=COUNT.arg, default=1, help="rolling mean over N steps for gradient curves")
     p.add_argument("--steps", default=None,
                    help="alignment: cosine matrices at these steps, e.g. 10,50,100 (default: a heatmap over all steps)")
-    p.add_argument("--window", type=int, default=1, help="alignment: average over this many steps")
+    p.add_argument("--window", type=COUNT.arg, default=1, help="alignment: average over this many steps")
     p.add_argument("--metric", choices=("final", "peak"), default="final",
                    help="sweep: improvement of the final or the peak accuracy over the base")
     p.set_defaults(func=_cmd_plot)
@@ -202,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in READ_COMMANDS:
+            return _reading(args)
         return args.func(args)
     except GradscopeError as exc:
         print(f"gradscope: error: {exc}", file=sys.stderr)
@@ -209,6 +217,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gradscope: interrupted", file=sys.stderr)
         return 130
+
+
+def _reading(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from gradscope.runfile.limits import deadline, read_timeout
+
+    seconds = 0.0 if args.command in UNTIMED else read_timeout()
+    with deadline(seconds, "reading run files"), np.errstate(all="ignore"):
+        return args.func(args)
 
 
 if __name__ == "__main__":

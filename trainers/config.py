@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from gradscope.ranges import COUNT, WHOLE, Range
 from gradscope.trainers.flags import flag
 from gradscope.trainers.grpo_config import GRPOConfig
 
@@ -51,6 +52,8 @@ class TrainConfig:
     dist_timeout: float = flag(300.0, "under torchrun: seconds a collective may wait for a silent rank")
     threads: int = flag(0, "torch intra-op threads per process (0: 1 for the testbed on CPU, torch's default "
                            "otherwise)")
+    unsafe_sandbox: bool = flag(False, "code tasks: run generated programs even where the sandbox lacks a layer "
+                                       "(user namespaces, seccomp); docs/sandbox.md")
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def resolved(self) -> "TrainConfig":
@@ -96,3 +99,17 @@ def from_arguments(args: argparse.Namespace) -> TrainConfig:
     grpo = GRPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)})
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "grpo"}
     return TrainConfig(**fields, grpo=grpo)
+
+
+#: Allowed values of every numeric TrainConfig field, checked by ``train.validate`` before any model is
+#: built (0 means "the model's default" where the help says so). Upper bounds only where a larger value
+#: breaks a library: numpy seeds are 32-bit, ``timedelta`` overflows.
+RANGES: dict[str, Range] = {
+    "task_level": Range(1, 3, whole=True),
+    "steps": COUNT, "tasks_per_step": COUNT, "n_train": COUNT, "n_held_out": COUNT, "probe_every": COUNT,
+    "eval_every": WHOLE, "probe_sketch": WHOLE, "checkpoint_every": WHOLE, "lora_rank": WHOLE,
+    "max_new_tokens": WHOLE, "max_evals": WHOLE, "threads": WHOLE,
+    "seed": Range(0, 2**32 - 1, whole=True),
+    "lora_alpha": Range(0),
+    "dist_timeout": Range(0, 10**6, lo_open=True),
+}

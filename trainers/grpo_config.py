@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradscope.ranges import COUNT, WHOLE, Range
 from gradscope.trainers.flags import flag
 
 
@@ -28,3 +29,11 @@ class GRPOConfig:
                                    "(0: tasks_per_step x group_size)")
     temperature: float = flag(0.7, "sampling temperature (log-probs use the same)")
     shuffle: bool = flag(True, "shuffle a policy's samples before splitting them into mini-batches")
+
+
+#: Allowed values of every numeric GRPOConfig field (checked with TrainConfig's, ``train.validate``).
+GRPO_RANGES: dict[str, Range] = {
+    "group_size": COUNT, "warmup_steps": WHOLE, "mini_batch_size": WHOLE,
+    "clip_low": Range(0, 1), "clip_high": Range(0), "kl_coef": Range(0), "lr": Range(0),
+    "weight_decay": Range(0), "grad_clip": Range(0), "temperature": Range(0, lo_open=True),
+}

@@ -28,9 +28,11 @@ def solver_answer(task: Task, text: str) -> tuple[str | None, bool]:
 class Scorer:
     """Sets ``episode.reward`` to 1.0 for a correct final answer, else 0.0."""
 
-    def __init__(self, limits: Limits = Limits(wall_s=5.0, cpu_s=5.0), workers: int = 2) -> None:
+    def __init__(self, limits: Limits = Limits(wall_s=5.0, cpu_s=5.0), workers: int = 2, *,
+                 unsafe: bool = False) -> None:
         self.limits = limits
         self.workers = workers
+        self.unsafe = unsafe  # run even where the sandbox lacks a layer (--unsafe-sandbox)
         self._code_cache: dict[tuple[str, str], bool] = {}
 
     def score(self, episodes: Sequence[Episode]) -> None:
@@ -38,7 +40,8 @@ class Scorer:
                 if ep.task.kind == "code" and ep.answer is not None}
         todo = [key for key in code if key not in self._code_cache]
         with ThreadPoolExecutor(self.workers) as pool:  # each check is a sandboxed subprocess
-            verdicts = pool.map(lambda key: check_program(*sandbox_args(code[key], key[1]), limits=self.limits), todo)
+            verdicts = pool.map(lambda key: check_program(*sandbox_args(code[key], key[1]), limits=self.limits,
+                                                          unsafe=self.unsafe), todo)
             for key, result in zip(todo, verdicts):
                 self._code_cache[key] = result.verdict == "pass"
         for ep in episodes:

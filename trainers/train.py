@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +25,22 @@ from gradscope.alerts import Alert, Monitor, Rule, check_selectors
 from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError
+from gradscope.paths import kind_of
 from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter
+from gradscope.runfile.writer import check_overwrite
 from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
-from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.config import RANGES, TrainConfig
 from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
 from gradscope.trainers.grpo import STEP_SCALARS, GRPOUpdater
+from gradscope.trainers.grpo_config import GRPO_RANGES
 from gradscope.trainers.models import LoraSpec, attach_adapters, check_model_path, load_base
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
+from gradscope.trainers.sandbox import unavailable_reason
 from gradscope.trainers.tasks import check_answer, load_tasks
 from gradscope.trainers.tasks.base import Task, TaskSet
 from gradscope.trainers.workflows import WORKFLOWS, Templates
@@ -48,6 +54,9 @@ SOLVER_ROLES = ("voter", "generator", "worker")
 def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     """Every check that can fail on user input, before any model is built (errors exit 2).
     Returns the workflow class, the tasks and the alert rules."""
+    for settings, ranges in ((cfg, RANGES), (cfg.grpo, GRPO_RANGES)):  # numbers first: finite, in range
+        for name, allowed in ranges.items():
+            allowed.check(f"--{name.replace('_', '-')}", getattr(settings, name))
     if cfg.workflow not in WORKFLOWS:
         raise ConfigError(f"unknown workflow {cfg.workflow!r}; use one of {sorted(WORKFLOWS)}")
     workflow = WORKFLOWS[cfg.workflow]
@@ -58,38 +67,42 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     parse_sinks(cfg.log_to)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
-    for name in ("steps", "tasks_per_step", "probe_every", "n_held_out"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.probe_sketch < 0:
-        raise ConfigError("--probe-sketch must be >= 0")
     if cfg.probe_updates not in UPDATE_UNITS:
         raise ConfigError(f"unknown --probe-updates {cfg.probe_updates!r}; use one of {UPDATE_UNITS}")
     if cfg.probe_updates != "off" and (cfg.probe == "none" or cfg.probe_every != 1):
         raise ConfigError("--probe-updates needs every optimizer step probed (--probe-every 1, not --probe none): "
                           "the per-role moments follow every step's per-agent gradients")
-    if cfg.threads < 0:
-        raise ConfigError("--threads must be >= 0 (0: automatic)")
     world = world_size_from_env()
     if cfg.tasks_per_step % world:
         raise ConfigError(f"--tasks-per-step {cfg.tasks_per_step} must be a multiple of the {world} torchrun processes")
     check_model_path(cfg.model)
     out = Path(cfg.out)
-    if cfg.resume and not out.exists():
+    if cfg.resume and not os.path.lexists(out):
         raise ConfigError(f"--resume: {out} does not exist")
-    if not cfg.resume and out.exists() and not cfg.overwrite:
+    if not cfg.resume and os.path.lexists(out) and not cfg.overwrite:
         raise ConfigError(f"{out} already exists (pass --overwrite to replace it, or --resume)")
+    check_overwrite(out)  # --overwrite and --resume replace a run file, never a device, link or other file
     if not out.parent.is_dir():
         raise ConfigError(f"cannot write {out}: folder {out.parent} does not exist")
-    try:  # probe writability without touching an existing run file
-        probe_file = out.parent / f".{out.name}.writable"
-        probe_file.touch()
-        probe_file.unlink()
+    try:  # probe writability with a fresh file of our own (O_EXCL), never touching another
+        fd, probe_file = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".writable")
+        os.close(fd)
+        os.unlink(probe_file)
     except OSError as exc:
         raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    if cfg.task_file:  # a FIFO or a device would block or never end; a missing file: the loader says so
+        with suppress(OSError):
+            kind = kind_of(os.stat(cfg.task_file).st_mode)
+            if kind is not None:
+                raise ConfigError(f"--task-file {cfg.task_file}: is {kind}, not a file")
     n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
     tasks = load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
                        level=cfg.task_level, path=cfg.task_file)
+    if any(t.kind == "code" for t in tasks.train[:1] + tasks.held_out[:1]) and not cfg.unsafe_sandbox:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ConfigError(f"code tasks run generated programs, and {reason}; "
+                              "pass --unsafe-sandbox to run them anyway (docs/sandbox.md)")
     return workflow, tasks, rules
 
 
@@ -131,7 +144,7 @@ class Trainer:
                 self.probe.attach(optimizer, cfg.probe_updates)
         self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.grpo.temperature)
-        self.scorer = Scorer()
+        self.scorer = Scorer(unsafe=cfg.unsafe_sandbox)
         self.task_rng = random.Random(cfg.seed)
 
     def meta(self) -> RunMeta:

@@ -30,12 +30,10 @@ def collect_rules(texts: Sequence[str], file: str | None, defaults: bool) -> lis
 
 def watch_main(args: argparse.Namespace) -> int:
     from gradscope.alerts.watch import watch
-    from gradscope.errors import ConfigError, RunFileError
+    from gradscope.errors import RunFileError
     from gradscope.runfile import open_run
 
     rules = collect_rules(args.alert, args.alerts, args.default_alerts)
-    if args.poll <= 0:
-        raise ConfigError("--poll must be > 0 seconds")
     deadline = time.monotonic() + args.wait
     while True:  # a missing or broken file fails here, as one line (after --wait seconds of retries)
         try:

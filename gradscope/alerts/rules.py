@@ -20,11 +20,15 @@ A parse error names the offending token and its column.
 from __future__ import annotations
 
 import difflib
+import math
+import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradscope.errors import ConfigError
+from gradscope.paths import kind_of
 
 ACTIONS = ("warn", "record", "checkpoint", "stop")
 AGGREGATES = ("median", "mean", "min", "max")
@@ -47,11 +51,21 @@ NAMESPACES = ("opt.", "eval.", "metric.")
 
 #: Default cooldown: a condition must be false this many observations before its rule re-arms.
 DEFAULT_COOLDOWN = 10
+#: Largest persistence, cooldown or aggregate window (in observations) a rule may ask for.
+MAX_COUNT = 10**9
+#: An alert file larger than this is refused unread (rules are a few lines each).
+MAX_FILE_BYTES = 1 << 20
+#: A rule quoted in an error message is cut to this many characters.
+_QUOTE_CHARS = 120
+#: How a malformed YAML entry is shown: a few levels and items (it can be an alias bomb, whose full
+#: repr would never finish).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 3, 3, 40, 40
 
 _TOKEN = re.compile(r"""
     (?P<space>\s+)
-  | (?P<factor>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?x)(?![\w.])
-  | (?P<number>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(?![\w])
+  | (?P<factor>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?x)(?![\w.])
+  | (?P<number>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)(?![\w])
   | (?P<name>[A-Za-z_][\w./-]*)
   | (?P<op>>=|<=|>|<)
   | (?P<punct>[\[\]():,*|])
@@ -100,7 +114,8 @@ class _Tokens:
         self.i = 0
 
     def fail_at(self, pos: int, got: str, expected: str) -> None:
-        raise ConfigError(f"bad alert rule {self.text!r}: at column {pos + 1}, {got}: expected {expected}")
+        raise ConfigError(f"bad alert rule {_clip(repr(self.text))}: at column {pos + 1}, {_clip(got)}: "
+                          f"expected {expected}")
 
     def peek(self) -> tuple[str, str, int] | None:
         return self.items[self.i] if self.i < len(self.items) else None
@@ -124,11 +139,16 @@ class _Tokens:
         return None
 
 
+def _clip(text: str) -> str:
+    """``text`` cut to a readable length (a rule may be any string a user typed)."""
+    return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS] + f"... ({len(text):,} characters)"
+
+
 def parse_rule(text: str, *, name: str = "") -> Rule:
     """Parse one rule; :class:`ConfigError` with the offending token's column on a bad one."""
     toks = _Tokens(text)
     if not toks.items:
-        raise ConfigError(f"bad alert rule {text!r}: empty")
+        raise ConfigError(f"bad alert rule {_clip(repr(text))}: empty")
     pos = toks.peek()[2]
     statistic = toks.take("name", expected="a statistic name, e.g. coherence[voter]")
     _check_statistic(toks, statistic, pos)
@@ -175,15 +195,25 @@ def _check_selector(toks: _Tokens, statistic: str, selector: str | None, pos: in
                      else f"one {kind} in {statistic}[...]")
 
 
+def _finite(toks: _Tokens, text: str) -> float:
+    """The number just taken, which must be finite (``1e999`` is not)."""
+    value = float(text)
+    if not math.isfinite(value):
+        toks.i -= 1
+        toks.fail("a finite number")
+    return value
+
+
 def _threshold(toks: _Tokens) -> dict:
     number = toks.accept("number")
     if number is not None:
+        value = _finite(toks, number)
         if toks.accept("name", "x") is None:
-            return {"threshold": float(number)}
-        factor = float(number)
+            return {"threshold": value}
+        factor = value
     else:
         factor_tok = toks.accept("factor")
-        factor = float(factor_tok[:-1]) if factor_tok else 1.0
+        factor = _finite(toks, factor_tok[:-1]) if factor_tok else 1.0
     agg = toks.take("name", expected="a number, or an aggregate like 3x median(50)")
     if agg not in AGGREGATES:
         toks.i -= 1
@@ -210,8 +240,10 @@ def _options(toks: _Tokens) -> dict:
 
 def _positive(toks: _Tokens, expected: str) -> int:
     tok = toks.peek()
-    if tok is None or tok[0] != "number" or not tok[1].isdigit() or int(tok[1]) < 1:
-        toks.fail(expected)
+    # isascii: int() also reads other scripts' digits; the length test keeps int() within its limits
+    if tok is None or tok[0] != "number" or not (tok[1].isascii() and tok[1].isdigit()) \
+            or len(tok[1]) > len(str(MAX_COUNT)) or not 1 <= int(tok[1]) <= MAX_COUNT:
+        toks.fail(f"{expected} (at most {MAX_COUNT:,})")
     toks.i += 1
     return int(tok[1])
 
@@ -231,13 +263,26 @@ def load_rules(path: str | Path) -> list[Rule]:
 
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        st = os.stat(path)
+        kind = kind_of(st.st_mode)  # a FIFO would block the read, /dev/urandom never end it
+        if kind is not None:
+            raise ConfigError(f"cannot read alert file {path}: it is {kind}, not a file")
+        if st.st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"alert file {path} is {st.st_size:,} bytes; at most {MAX_FILE_BYTES:,} are read")
+        text = path.read_bytes()[:MAX_FILE_BYTES + 1].decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read alert file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start + 1})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
     if isinstance(data, dict) and set(data) == {"alerts"}:
         data = data["alerts"]
     if not isinstance(data, list):
@@ -246,10 +291,12 @@ def load_rules(path: str | Path) -> list[Rule]:
     for i, entry in enumerate(data, 1):
         if isinstance(entry, str):
             text, name = entry, ""
-        elif isinstance(entry, dict) and isinstance(entry.get("rule"), str) and set(entry) <= {"rule", "name"}:
+        elif isinstance(entry, dict) and isinstance(entry.get("rule"), str) and set(entry) <= {"rule", "name"} \
+                and isinstance(entry.get("name", ""), (str, int, float)):
             text, name = entry["rule"], str(entry.get("name", ""))
         else:
-            raise ConfigError(f"{path}: entry {i} must be a rule string or {{rule: ..., name: ...}}, got {entry!r}")
+            raise ConfigError(f"{path}: entry {i} must be a rule string or {{rule: ..., name: ...}}, "
+                              f"got {_clip(_SHORT.repr(entry))}")
         try:
             rules.append(parse_rule(text, name=name))
         except ConfigError as exc:

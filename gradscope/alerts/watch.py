@@ -46,8 +46,7 @@ class Follower:
             fields = ("gram", "tokens", "scalars", "policy") + (
                 ("update_gram", "update_interference") if run.meta.update_unit else ())
             recs = {name: run.read(name, lo, lo + n_rec) for name in fields}
-            names = np.array([*run.meta.policies, None], dtype=object)
-            pol = names[np.where(recs["policy"] >= 0, recs["policy"], len(run.meta.policies))]
+            pol = run.policy_names(recs["policy"])
             for s in np.unique(rec_step[:n_rec]):
                 m = rec_step[:n_rec] == s
                 # NaN = not logged by the writer (RunWriter fills missing scalars so), not a NaN value

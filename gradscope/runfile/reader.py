@@ -7,7 +7,10 @@ one-line :class:`~gradscope.errors.RunFileError` naming the file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
+import stat
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -16,7 +19,8 @@ import h5py
 import numpy as np
 
 from gradscope.errors import RunFileError
-from gradscope.runfile import schema
+from gradscope.paths import kind_of
+from gradscope.runfile import limits, schema
 from gradscope.runfile.schema import RunMeta
 
 if TYPE_CHECKING:
@@ -24,7 +28,11 @@ if TYPE_CHECKING:
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 # Errors h5py raises for damaged files; wrapped into RunFileError wherever the file is read.
-_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
+# (MemoryError: a damaged size field that slipped past the checks on declared sizes.)
+_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, OverflowError, MemoryError)
+#: What each dataset's values may be stored as (numpy dtype kinds): integers where the schema has
+#: integers, any real number where it has floats, fixed-width bytes for strings.
+_KINDS = {"i": "iu", "f": "fiu", "S": "S"}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -32,21 +40,44 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _is_hdf5(path: str) -> bool:
-    """HDF5's signature sits at byte 0 or, after a user block, at 512, 1024, 2048, ..."""
+def _regular_size(path: str) -> int:
+    """The size of ``path``, which must be a regular file (a symbolic link to one is fine).
+
+    Pipes, devices, sockets and directories are refused before anything opens them: opening a
+    FIFO blocks until someone writes, and ``/dev/urandom`` never ends.
+    """
     try:
-        with open(path, "rb") as fh:
-            offset = 0
-            while True:
-                fh.seek(offset)
-                head = fh.read(8)
-                if len(head) < 8:
-                    return False
-                if head == _HDF5_SIGNATURE:
-                    return True
-                offset = 512 if offset == 0 else offset * 2
+        st = os.stat(path)
+    except FileNotFoundError:
+        dangling = " (a symbolic link to a missing file)" if os.path.islink(path) else ""
+        raise RunFileError(f"{path}: no such file{dangling}") from None
+    except OSError as exc:
+        raise RunFileError(f"{path}: cannot access ({exc.strerror or _one_line(exc)})") from None
+    kind = kind_of(st.st_mode)
+    if kind is not None:
+        raise RunFileError(f"{path}: is {kind}, not a run file")
+    return st.st_size
+
+
+def _is_hdf5(path: str, size: int) -> bool:
+    """HDF5's signature sits at byte 0 or, after a user block, at 512, 1024, 2048, ... < ``size``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if a FIFO was swapped in
     except OSError:
         return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        offset = 0
+        while offset + 8 <= size:
+            if os.pread(fd, 8, offset) == _HDF5_SIGNATURE:
+                return True
+            offset = 512 if offset == 0 else offset * 2
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _open_h5(path: str) -> h5py.File:
@@ -56,13 +87,10 @@ def _open_h5(path: str) -> h5py.File:
     reading skips that check, so a truncated file could read as zeros). A file whose writer is
     running or died holds "open for write" consistency flags; only a SWMR reader may open it.
     """
-    if not os.path.exists(path):
-        raise RunFileError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise RunFileError(f"{path}: is a directory, not a run file")
+    size = _regular_size(path)
     if not os.access(path, os.R_OK):
         raise RunFileError(f"{path}: permission denied")
-    if not _is_hdf5(path):
+    if not _is_hdf5(path, size):
         raise RunFileError(f"{path}: not an HDF5 file")
     try:
         return h5py.File(path, "r")
@@ -93,8 +121,9 @@ class RunReader:
         self._f = _open_h5(self.path)
         try:
             with self._errors("reading the file's structure"):
-                self._check_header()
-                self.meta = self._read_meta()
+                attrs = self._root_attrs()
+                self._check_header(attrs)
+                self.meta = self._read_meta(attrs)
                 self._check_datasets()
                 self._cache: dict[str, Any] = {}
                 self._counts = self._read_counts()
@@ -114,21 +143,36 @@ class RunReader:
         except _H5_ERRORS as exc:
             raise RunFileError(f"{self.path}: damaged run file, failed {doing} ({_one_line(exc)})") from None
 
-    def _check_header(self) -> None:
-        attrs = self._f.attrs
-        fmt = attrs.get("format")
-        if isinstance(fmt, bytes):
-            fmt = fmt.decode("utf-8", "replace")
+    def _file_size(self) -> int:
+        try:
+            return os.path.getsize(self.path)
+        except OSError:
+            return 0
+
+    def _root_attrs(self) -> dict[str, Any]:
+        """The root attributes the reader uses, each one's declared size checked before it is read."""
+        names = ("format", "schema_version", *(f.name for f in dataclasses.fields(RunMeta)))
+        size = self._file_size()
+        out = {}
+        for name in names:
+            if name not in self._f.attrs:
+                continue
+            aid = self._f.attrs.get_id(name)
+            nbytes = math.prod(aid.shape or ()) * aid.dtype.itemsize
+            limits.check_read(self.path, f"the attribute {name!r}", nbytes, file_size=size, filtered=False)
+            out[name] = self._f.attrs[name]
+        return out
+
+    def _check_header(self, attrs: dict[str, Any]) -> None:
+        fmt = _text(attrs.get("format"))
         if fmt is None:
             raise RunFileError(f"{self.path}: not a gradscope run file (no 'format' attribute)")
-        if fmt != schema.FORMAT:
+        if not isinstance(fmt, str) or fmt != schema.FORMAT:
             raise RunFileError(f"{self.path}: not a gradscope run file (format is {fmt!r}, "
                                f"expected {schema.FORMAT!r})")
-        version = attrs.get("schema_version")
+        version = _text(attrs.get("schema_version"))
         if version is None:
             raise RunFileError(f"{self.path}: missing the 'schema_version' attribute")
-        if isinstance(version, bytes):
-            version = version.decode("utf-8", "replace")
         try:
             major, minor = schema.parse_version(str(version))
         except ValueError:
@@ -142,13 +186,39 @@ class RunReader:
                                f"(this gradscope reads {schema.SCHEMA_MAJOR}.x)")
         self.schema_version = f"{major}.{minor}"
 
-    def _read_meta(self) -> RunMeta:
+    def _read_meta(self, attrs: dict[str, Any]) -> RunMeta:
         try:
-            return RunMeta.from_attrs(self._f.attrs)
+            return RunMeta.from_attrs(attrs)
         except KeyError as exc:
             raise RunFileError(f"{self.path}: missing the {exc.args[0]!r} attribute") from None
-        except (ValueError, TypeError) as exc:  # bad JSON or inconsistent metadata
+        # bad JSON (too deeply nested: RecursionError), inconsistent metadata, inf where an int belongs
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             raise RunFileError(f"{self.path}: invalid run metadata ({_one_line(exc)})") from None
+
+    def _dataset(self, name: str) -> h5py.Dataset | None:
+        """The dataset at ``/name``, or None if there is none. RunFileError if reaching or reading it
+        would leave the file: an external or soft link on the way, external raw-data storage, or a
+        virtual dataset (each could name a FIFO or a device, and reading it would block or never end)."""
+        node: Any = self._f
+        parts = name.split("/")
+        for i, part in enumerate(parts):
+            if not isinstance(node, h5py.Group):
+                return None
+            link = node.get(part, getlink=True)  # the link itself, not followed
+            if link is None:
+                return None
+            if not isinstance(link, h5py.HardLink):
+                kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
+                raise RunFileError(f"{self.path}: /{'/'.join(parts[:i + 1])} is {kind}; a run file's "
+                                   f"datasets must be inside it")
+            node = node[part]
+        if not isinstance(node, h5py.Dataset):
+            return None
+        if node.is_virtual:
+            raise RunFileError(f"{self.path}: /{name} is a virtual dataset (its data lives in other files)")
+        if node.id.get_create_plist().get_external_count():
+            raise RunFileError(f"{self.path}: /{name} keeps its data in external files")
+        return node
 
     def _check_datasets(self) -> None:
         meta = self.meta
@@ -156,28 +226,52 @@ class RunReader:
                                     len(meta.update_components))
         wanted = [f"{schema.STEPS}/{name}" for name in fields]
         wanted += [*schema.TABLES, schema.COMMITTED]
-        missing = [name for name in wanted if not isinstance(self._f.get(name), h5py.Dataset)]
+        found = {name: self._dataset(name) for name in wanted}
+        missing = [name for name, ds in found.items() if ds is None]
         if missing:
             raise RunFileError(f"{self.path}: missing required datasets: {', '.join('/' + m for m in missing)}")
-        self._step_ds = {name: self._f[f"{schema.STEPS}/{name}"] for name in fields}
+        self._step_ds = {name: found[f"{schema.STEPS}/{name}"] for name in fields}
         for name, (shape, _) in fields.items():
             got = self._step_ds[name].shape[1:]
             if got != shape:
                 raise RunFileError(f"{self.path}: /{schema.STEPS}/{name} has record shape {got}, "
                                    f"expected {shape} from the metadata")
-        self._table_ds = {name: self._f[name] for name in schema.TABLES}
-        self._committed_ds = self._f[schema.COMMITTED]
+        self._table_ds = {name: found[name] for name in schema.TABLES}
+        self._committed_ds = found[schema.COMMITTED]
         shape = self._committed_ds.shape
         # Later minor versions may append counters; the known ones come first.
         if len(shape) != 1 or shape[0] < len(schema.COMMITTED_FIELDS):
             raise RunFileError(f"{self.path}: /{schema.COMMITTED} has shape {shape}, expected "
                                f"({len(schema.COMMITTED_FIELDS)},): {', '.join(schema.COMMITTED_FIELDS)}")
+        self._check_dtypes(fields)
+
+    def _check_dtypes(self, fields: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        """Every dataset holds the kind of values the schema says (any width), and one record of
+        each fits the read budget: a file of strings where numbers belong, or of 20,000 agents, is
+        refused here rather than failing deep inside an analysis."""
+        def bad(path: str, got: np.dtype, expected: str) -> RunFileError:
+            return RunFileError(f"{self.path}: /{path} holds values of type {got}, expected {expected}")
+
+        for name, (_, dtype) in fields.items():
+            ds = self._step_ds[name]
+            if ds.dtype.kind not in _KINDS.get(dtype.kind, dtype.kind):
+                raise bad(f"{schema.STEPS}/{name}", ds.dtype, "integers" if dtype.kind == "i" else "numbers")
+            limits.check_read(self.path, f"one record of /{schema.STEPS}/{name}", _row_bytes(ds))
+        for name, (dtype, _) in schema.TABLES.items():
+            ds = self._table_ds[name]
+            got = ds.dtype
+            fields_ok = got.names is not None and all(
+                f in got.names and got[f].kind in _KINDS.get(dtype[f].kind, dtype[f].kind) for f in dtype.names)
+            if ds.ndim != 1 or not fields_ok:
+                raise bad(name, got, f"one-dimensional rows of ({', '.join(dtype.names)})")
+        if self._committed_ds.dtype.kind not in "iu":
+            raise bad(schema.COMMITTED, self._committed_ds.dtype, "integers")
 
     def _read_counts(self, committed: np.ndarray | None = None) -> dict[str, int]:
         """Committed counts by field name, capped by every dataset's current length (so never a
         partial row); ``closed`` is 0 or 1."""
         if committed is None:
-            committed = self._committed_ds[()]
+            committed = self._committed_ds[:len(schema.COMMITTED_FIELDS)]
         raw = dict(zip(schema.COMMITTED_FIELDS, (int(x) for x in committed)))
         counts = {"n_steps": min([raw["n_steps"]] + [ds.shape[0] for ds in self._step_ds.values()])}
         for name, (_, field) in schema.TABLES.items():
@@ -206,7 +300,7 @@ class RunReader:
             # that long. (Reading the counters after the datasets' refresh could announce rows
             # whose extent this reader has not seen yet.)
             self._committed_ds.refresh()
-            committed = self._committed_ds[()]
+            committed = self._committed_ds[:len(schema.COMMITTED_FIELDS)]
             for ds in (*self._step_ds.values(), *self._table_ds.values()):
                 ds.refresh()
             self._counts = self._read_counts(committed)
@@ -250,8 +344,17 @@ class RunReader:
         if name not in self._step_ds:
             raise KeyError(f"no per-record dataset {name!r}; have {sorted(self._step_ds)}")
         lo, hi, _ = slice(start, stop).indices(self.n_steps)
+        hi = max(lo, hi)
         with self._errors(f"reading /{schema.STEPS}/{name}"):
-            return self._step_ds[name][lo:max(lo, hi)]
+            ds = self._step_ds[name]
+            self._check_rows(ds, hi - lo, f"/{schema.STEPS}/{name}")
+            return ds[lo:hi]
+
+    def _check_rows(self, ds: h5py.Dataset, rows: int, what: str) -> None:
+        """RunFileError unless ``rows`` rows of ``ds`` fit the read budget and the file's size."""
+        filtered = ds.id.get_create_plist().get_nfilters() > 0
+        limits.check_read(self.path, f"{rows:,} rows of {what}", rows * _row_bytes(ds),
+                          file_size=self._file_size(), filtered=filtered)
 
     def _cached(self, name: str) -> np.ndarray:
         if name not in self._cache:
@@ -276,11 +379,14 @@ class RunReader:
     @property
     def policy(self) -> np.ndarray:
         """(N,) object array of policy names (None where the record has no policy)."""
+        return self.policy_names(self.policy_index)
+
+    def policy_names(self, index: np.ndarray) -> np.ndarray:
+        """Values of ``/steps/policy`` → object array of policy names (None: no policy, or an
+        index out of range in a damaged file, rather than a wrong name)."""
         names = np.array([*self.meta.policies, None], dtype=object)
-        idx = self.policy_index.astype(np.int64)
-        # Out-of-range indices (a damaged file) become None rather than wrong names.
-        idx = np.where((idx >= 0) & (idx < len(self.meta.policies)), idx, len(self.meta.policies))
-        return names[idx]
+        idx = np.asarray(index).astype(np.int64)
+        return names[np.where((idx >= 0) & (idx < len(self.meta.policies)), idx, len(self.meta.policies))]
 
     @property
     def time(self) -> np.ndarray:
@@ -342,11 +448,13 @@ class RunReader:
         if start:
             n = self._counts[schema.TABLES[name][1]]
             with self._errors(f"reading /{name}"):
+                self._check_rows(self._table_ds[name], n - min(start, n), f"/{name}")
                 return self._table_ds[name][min(start, n):n]
         key = f"/{name}"
         if key not in self._cache:
             n = self._counts[schema.TABLES[name][1]]
             with self._errors(f"reading /{name}"):
+                self._check_rows(self._table_ds[name], n, f"/{name}")
                 self._cache[key] = self._table_ds[name][:n]
         return self._cache[key]
 
@@ -448,9 +556,31 @@ class RunReader:
         return f"RunReader({self.path!r}, {self.n_steps} records, {state})"
 
 
+def _row_bytes(ds: h5py.Dataset) -> int:
+    """Bytes of one row (record) of ``ds``, in Python integers (a damaged shape cannot overflow)."""
+    return math.prod(ds.shape[1:]) * ds.dtype.itemsize
+
+
+def _text(value: Any) -> Any:
+    """A string attribute as ``str`` (h5py may return bytes); anything else as it is."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
 def _decode(raw: np.ndarray) -> np.ndarray:
     """Fixed-width UTF-8 bytes -> object array of str (a cut-off character becomes U+FFFD)."""
     return np.array([b.decode("utf-8", "replace") for b in raw], dtype=object)
+
+
+def is_run_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is (or links to) a regular HDF5 file whose ``format`` attribute says it is a
+    gradscope run, of any schema version, finished, live or left by a killed writer."""
+    try:
+        with _open_h5(os.fspath(path)) as f:
+            fmt = f.attrs.get("format")
+    except (RunFileError, *_H5_ERRORS):
+        return False
+    fmt = _text(fmt)
+    return isinstance(fmt, str) and fmt == schema.FORMAT
 
 
 def open_run(path: str | os.PathLike[str]) -> RunReader:

@@ -12,6 +12,7 @@ import json
 import platform
 import re
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,7 +217,7 @@ class RunMeta:
         for what, names in (("agents", self.agents), ("roles", self.roles),
                             ("policies", self.policies), ("groups", self.groups),
                             ("scalar_names", self.scalar_names)):
-            dupes = sorted({n for n in names if names.count(n) > 1})
+            dupes = sorted(n for n, count in Counter(names).items() if count > 1)  # O(n): names may be many
             if dupes:
                 raise ValueError(f"RunMeta.{what} must be unique; repeated: {dupes}")
         unknown = sorted(set(self.agent_roles) - set(self.roles))

@@ -28,8 +28,9 @@ import numpy as np
 from h5py import h5s
 
 from gradscope.errors import RunFileError
+from gradscope.paths import check_output
 from gradscope.runfile import schema
-from gradscope.runfile.reader import RunReader, open_run
+from gradscope.runfile.reader import RunReader, is_run_file, open_run
 from gradscope.runfile.schema import RunMeta
 
 #: Chunks of ~this many bytes: small enough that rewriting the open chunk at every flush is
@@ -102,10 +103,12 @@ class RunWriter:
         meta: the run's metadata; ``created``/``versions`` are filled where empty and
             ``flush_every`` is set from the argument.
         flush_every: records buffered in memory between flushes (>= 1).
-        overwrite: replace an existing file instead of refusing.
+        overwrite: replace an existing run file instead of refusing (only a regular file that
+            holds a gradscope run: see :func:`check_overwrite`).
 
     Raises:
-        RunFileError: the file exists (without ``overwrite``) or cannot be created.
+        RunFileError: the path exists (without ``overwrite``), is anything but a run file (with
+            it), or the file cannot be created.
         ValueError: inconsistent ``meta`` or ``flush_every``.
 
     Use it as a context manager (or call :meth:`close`): closing writes the buffered records and
@@ -123,10 +126,14 @@ class RunWriter:
         self.meta = dataclasses.replace(meta.with_defaults(), flush_every=flush_every)
         self.flush_every = flush_every
         self._f: h5py.File | None = None  # set only once the file is fully created
-        if os.path.isdir(self.path):
-            raise RunFileError(f"{self.path}: is a directory")
-        if os.path.exists(self.path) and not overwrite:
-            raise RunFileError(f"{self.path}: already exists (pass overwrite=True to replace it)")
+        if os.path.lexists(self.path):
+            if not overwrite:
+                raise RunFileError(f"{self.path}: already exists (pass overwrite=True to replace a run file)")
+            check_overwrite(self.path)
+            try:
+                os.remove(self.path)
+            except OSError as exc:
+                raise RunFileError(f"{self.path}: cannot replace the run file ({_one_line(exc)})") from None
 
         K, G, S = len(self.meta.agents), len(self.meta.groups), len(self.meta.scalar_names)
         self._components = self.meta.update_components
@@ -137,8 +144,8 @@ class RunWriter:
         self._last_scalar_keys: tuple[str, ...] | None = None
         self._last_scalar_cols = np.zeros(0, dtype=np.intp)
 
-        try:
-            f = h5py.File(self.path, "w", libver="latest")
+        try:  # "x": O_CREAT|O_EXCL, so never through a link or into something that appeared meanwhile
+            f = h5py.File(self.path, "x", libver="latest")
         except OSError as exc:
             raise RunFileError(f"{self.path}: cannot create run file ({_one_line(exc)})") from None
         try:
@@ -147,7 +154,7 @@ class RunWriter:
             f.swmr_mode = True
         except BaseException as exc:
             f.close()
-            os.remove(self.path)  # a half-created file is of no use to anyone
+            os.remove(self.path)  # a half-created file (ours: "x" created it) is of no use to anyone
             if isinstance(exc, OSError):
                 raise RunFileError(f"{self.path}: cannot create run file ({_one_line(exc)})") from None
             raise
@@ -494,7 +501,11 @@ class RunWriter:
         tmp = path + RESUME_SUFFIX
         w: RunWriter | None = None
         try:
+            with contextlib.suppress(FileNotFoundError):  # a killed resume's leftover (by its name ours)
+                check_output(tmp, error=RunFileError)
+                os.remove(tmp)
             with open_run(path) as old:
+                check_output(path, error=RunFileError)  # it will be replaced: a run file, never a link to one
                 version = schema.parse_version(old.schema_version)
                 if version > schema.parse_version(schema.SCHEMA_VERSION):
                     raise RunFileError(f"{path}: schema version {old.schema_version} is newer than this "
@@ -503,7 +514,7 @@ class RunWriter:
                 meta = old.meta
                 if flush_every is None:
                     flush_every = meta.flush_every if meta.flush_every >= 1 else 10
-                w = cls(tmp, meta, flush_every, overwrite=True)
+                w = cls(tmp, meta, flush_every)
                 message = w._copy_below(old, keep)
             w.log_event(keep, "resume", message)
             w.flush()
@@ -601,6 +612,16 @@ class RunWriter:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.n_steps} records, {self._n_steps} committed"
         return f"RunWriter({self.path!r}, {state})"
+
+
+def check_overwrite(path: str | os.PathLike[str]) -> None:
+    """RunFileError unless ``path`` may be replaced by a new run file: it is absent, or a regular
+    file (not a symbolic link) that holds a gradscope run, finished, live or left by a killed
+    writer. A device, FIFO, folder, link or any other file is never replaced."""
+    path = os.fspath(path)
+    check_output(path, error=RunFileError)
+    if os.path.lexists(path) and not is_run_file(path):
+        raise RunFileError(f"{path}: not a gradscope run file; refusing to replace it")
 
 
 class _Table:

@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
-    code = main([str(a) for a in argv])
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # a flag refused by the parser (argparse exits)
+        code = exc.code
     out, err = capsys.readouterr()
     return code, out.splitlines(), err.splitlines()
 
@@ -75,7 +78,8 @@ def test_plot_panels_without_data_still_draw(capsys, runs, tmp_path):
     (["plot", "ip-vs-sp", "{ip_ok}", "{sp_noevals}"], "no accuracy evaluations"),
     (["plot", "shares", "{sp_ok}", "{sp_cliff}"], "takes one run file, got 2"),
     (["plot", "cliffs", "{sp_ok}", "--format", "png,jpg"], "format must be"),
-    (["plot", "cliffs", "{sp_ok}", "--dpi", "72"], "at least 200"),
+    (["plot", "cliffs", "{sp_ok}", "--dpi", "72"], "--dpi: must be a whole number in [200, 1200]"),
+    (["plot", "cliffs", "{sp_ok}", "--dpi", "100000"], "--dpi: must be a whole number in [200, 1200]"),
     (["plot", "cliffs", "{sp_ok}", "--steps", "3"], "--steps applies to plot alignment only"),
     (["plot", "alignment", "{sp_ok}", "--steps", "a,b"], "--steps must be"),
     (["plot", "sweep", "{sp_noevals}"], "none of the runs has accuracy evaluations"),

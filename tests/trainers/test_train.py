@@ -162,7 +162,7 @@ def test_checkpoint_adapters_load_with_peft(tmp_path):
     (["--task-file", "BAD"], ":2:"),
     (["--out", "/nonexistent-dir/run.h5"], "does not exist"),
     (["--probe", "everything"], "unknown --probe"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "--steps must be a whole number >= 1, got 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     bad = tmp_path / "bad.jsonl"

