@@ -37,7 +37,14 @@ test: $(STAMP) $(VERL_STAMP)
 test-verl: $(VERL_STAMP)
 	$(VERL_VENV)/bin/python -m pytest -q $(VERL_TESTS)
 
-bench: $(STAMP)
+# Benchmarks need the probe's peers (pyproject extra "bench"); BackPACK without its torchvision
+# requirement (a CUDA torchvision breaks transformers on CPU torch), see benchmarks/bench_peers.py.
+$(VENV)/.bench: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[bench]'
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps 'backpack-for-pytorch>=1.6'
+	touch $(VENV)/.bench
+
+bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

@@ -15,7 +15,8 @@ def _load(name: str):
 
 
 def main() -> None:
-    for name in ("bench_writer", "bench_analyze", "bench_probe", "bench_updates", "bench_alerts", "comm_volume",
+    for name in ("bench_writer", "bench_analyze", "bench_probe", "bench_peers", "bench_updates", "bench_alerts",
+                 "comm_volume",
                  "bench_sandbox"):
         print(f"== {name}")
         _load(name).main()

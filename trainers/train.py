@@ -254,7 +254,9 @@ class Trainer:
         for o in logged:
             writer.log_step(step, o.result.gram, o.result.tokens, policy=o.policy, scalars=o.scalars,
                             group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None,
-                            update=o.update)
+                            method=o.result.method, update=o.update)
+            for warning in o.result.warnings:  # a probe fallback or a failed self-check, with its reason
+                writer.log_event(step, "probe", warning, severity="warning")
         metrics.update(_episode_metrics(self._everyone(episodes), prefix="train/"))
         metrics["time/rollout"], metrics["time/update"] = t1 - t0, time.perf_counter() - t1
         writer.log_metrics(step, metrics)

@@ -165,9 +165,13 @@ class GradscopeGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ the probed backward
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        if torch.is_grad_enabled():  # the loss' forward (reference and old log-probs run without grad)
-            self._forward = (out[0], out[1])
+        if not torch.is_grad_enabled():  # reference and old log-probs
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        # the loss' forward, possibly in chunks of rows: tag its rows with their agents
+        with self._handle.rows(self._ids.max(1).values) if self._handle is not None and self._ids is not None \
+                else nullcontext():
+            out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        self._forward = (out[0], out[1])
         return out
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
@@ -229,7 +233,7 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         for name, value in probe_summary(result, self.gradscope_agents, self.gradscope_roles).items():
             self._metrics["train"][name].append(value)  # TRL averages them over the logging window
         if self._writer is not None:
-            self._writer.log_step(result.step, result.gram, result.tokens)
+            self._writer.log_step(result.step, result.gram, result.tokens, method=result.method)
 
     def _sum_gradients(self) -> None:
         """Sum ``.grad`` of the trained parameters over the processes in one flat collective (a

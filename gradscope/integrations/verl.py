@@ -71,10 +71,14 @@ class ShardedGradHooks(HooksMethod):
 
     name = "hooks-fsdp"
 
+    def __init__(self, *args, **kwargs) -> None:
+        # no self-check either: split's per-agent autograd.grad would differentiate FSDP's sharded parameters
+        super().__init__(*args, **{**kwargs, "check_every": None})
+
     def _deltas(self):  # noqa: D102 - no local gradient to compare with
         return iter(())
 
-    def _check(self, *args, **kwargs):  # noqa: D102
+    def _check_add_up(self, *args, **kwargs):  # noqa: D102
         return []
 
 
@@ -383,7 +387,8 @@ class VerlProbe:
         if self.writer is not None:
             for result, scalars in self.records:
                 self.writer.log_step(self.step, result.gram, result.tokens, policy=result.policy, scalars=scalars,
-                                     group_gram=result.group_gram if self.settings.groups else None)
+                                     group_gram=result.group_gram if self.settings.groups else None,
+                                     method=result.method)
             self.writer.log_metrics(self.step, metrics)
         if self.monitor is not None:
             if self.records:

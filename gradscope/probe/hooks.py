@@ -10,14 +10,25 @@ and every row must belong to one agent. Agent k's part of a Linear layer's gradi
 
     g_k = Σ_{rows b of agent k} G_bᵀ A_b     (d_out, d_in)      bias: Σ_b Σ_t G_bt   (d_out,)
 
-Row ``b`` of ``token_loss`` is row ``b`` of the grad-enabled forwards of the model since the previous
-backward, concatenated in call order (one forward per backward in the usual loop).
+**Which row is whose.** Each forward carries the agent of each of its rows: given with the forward
+(``with s.rows(agent_of_row):``, any number of forwards, in any order) or, for the single untagged
+forward since the previous backward, taken from the loss's rows. Each layer call is matched to its
+forward's B rows by shape: the dimension of the layer input of size B (``batch_dim`` when given);
+when several dimensions have size B (a sequence-first input with T == B) the first is used and the
+self-check verifies it (below); when none has, the call falls back to split, naming the layer.
+Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
+
+**Self-check.** On the first probed step that has per-row or per-token losses (and every
+``check_every`` probed steps if asked), each agent's gradient is also computed as split computes it
+(``autograd.grad`` per agent, ``.grad`` untouched), and the Grams are compared: a mismatch raises
+(``method="hooks"``) or, under ``auto``, the record takes split's Gram and the probe uses split from
+then on, with a warning. The per-record method says which ran (``StepResult.method``).
 
 Per weight and step, one of two representations, chosen by cost (:data:`GHOST_FACTOR`):
 
 * **dense**: the (K, d_out, d_in) per-agent gradients, added to at every backward (per-row products
   ``G_bᵀ A_b`` summed by agent, costing N·d_in·d_out like the weight gradient itself); Gram ``D Dᵀ``.
-  Always the choice for LoRA factors, whose d_out (A) or d_in (B) is the rank r.
+  The choice for LoRA factors, whose d_out (A) or d_in (B) is the rank r, once N > r.
 * **ghost**: the token rows ``(A, G, agent)`` of every backward of the step, and at ``end``
   ``M_kl = Σ_{i∈k, j∈l} (A Aᵀ)_ij (G Gᵀ)_ij`` (N × N, never a d_out × d_in matrix), chosen while
   ``N (d_in + d_out) < GHOST_FACTOR · d_in d_out`` (N: the step's tokens so far). Keeping the rows of
@@ -27,19 +38,15 @@ Per weight and step, one of two representations, chosen by cost (:data:`GHOST_FA
 Embeddings keep their ``(ids, G, agent)`` rows and materialise at ``end`` only the U distinct rows
 touched (K × U × d; the ghost form would cost N²·d).
 
-Calls that cannot be attributed by rows fall back to the split method (one backward per agent) for
-that call: ``backward({agent: loss})``, a row holding tokens of two agents, or forwards whose rows do
-not add up to ``token_loss``'s rows. Both kinds of per-agent gradient add into the same dense state.
-
 **With a store** (sketch mode, or the exact Gram of several ranks) nothing is kept per weight: each
-call's per-agent contributions ``G_kᵀA_k`` are formed a block of output rows at a time (at most
-:data:`~gradscope.probe.store.CHUNK` values for all agents together) and handed to the store at once;
-embedding token rows go straight to the store's coordinates. No ghost form: it yields Gram entries,
-not vectors that a sketch or another rank could add to.
+call's per-agent contributions go to the store (:meth:`Store.add_outer`), embedding token rows
+straight to the store's coordinates.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -49,9 +56,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradscope.errors import ProbeError
-from gradscope.probe.method import GramMethod, token_terms
+from gradscope.probe.distributed import all_reduce_sum_
+from gradscope.probe.method import GramMethod, Terms
 from gradscope.probe.split import backward_per_agent
-from gradscope.probe.store import CHUNK, Store, squared_norms
+from gradscope.probe.store import FlatStore, Store, squared_norms
 
 #: A full weight uses the ghost form while N·(d_in + d_out) < GHOST_FACTOR · d_in·d_out.
 GHOST_FACTOR = 1.0
@@ -77,20 +85,23 @@ def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list[
     :func:`supported` (a weight tied between two modules is not).
     """
     index = {id(p): i for i, p in enumerate(params)}
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
         for name, p in module.named_parameters(recurse=False):
             if id(p) in index:
-                owners.setdefault(index[id(p)], []).append((module, name))
+                owners.setdefault(index[id(p)], []).append((module_name, module, name))
     layers: dict[int, _Layer] = {}
     uncovered = []
     for i in range(len(params)):
-        held = owners.get(i, [])
-        if len(held) != 1 or not supported(held[0][0]) or held[0][1] not in ("weight", "bias"):
+        held = {id(m): (n, m, p) for n, m, p in owners.get(i, [])}  # one module reached by two paths is one
+        if len(held) != 1:
             uncovered.append(i)
             continue
-        module, name = held[0]
-        layer = layers.setdefault(id(module), _Layer(module))
+        module_name, module, name = next(iter(held.values()))
+        if not supported(module) or name not in ("weight", "bias"):
+            uncovered.append(i)
+            continue
+        layer = layers.setdefault(id(module), _Layer(module, module_name or type(module).__name__))
         setattr(layer, name, i)
     return list(layers.values()), uncovered
 
@@ -100,10 +111,12 @@ class _Layer:
     """A hooked module, the indices of its probed parameters, and this step's ghost / embedding rows."""
 
     module: nn.Module
+    name: str
     weight: int | None = None
     bias: int | None = None
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     n_rows: int = 0  # tokens in ``rows``
+    batch_dim: int | None = None  # verified by a passed self-check where the shape left a choice
 
     @property
     def embedding(self) -> bool:
@@ -112,24 +125,29 @@ class _Layer:
 
 @dataclass(eq=False)
 class _Forward:
-    """One grad-enabled forward of the model: its rows and, during a hooks call, their agents."""
+    """One grad-enabled forward of the model: its layer calls and the agent of each of its rows."""
 
-    rows: int
-    ok: bool = True          # every hooked layer saw ``rows`` rows
-    consumed: bool = False   # a backward has reached it
-    agents: torch.Tensor | None = None  # (rows,) agent per row, -1 for none; set during a call
+    tag: torch.Tensor | None = None   # (B,) agents given with the forward (s.rows), or None
+    batch_dim: int | None = None      # given with the tag
+    pieces: list["_Piece"] = field(default_factory=list)
+    consumed: bool = False            # a backward has reached it
+    rows: int = 0
+    agents: torch.Tensor | None = None  # (rows,) agent per row, -1 for none; set for a hooks call
     keep: torch.Tensor | None = None    # indices of the rows with an agent
     kept: torch.Tensor | None = None    # their agents
     single: int | None = None           # the agent, when every row is that agent's
     by_agent: dict[int, torch.Tensor] = field(default_factory=dict)  # row indices per agent
+    unowned: torch.Tensor | None = None  # indices of rows of no agent (their gradient must be 0)
 
     def attach(self, agents: torch.Tensor) -> None:
+        self.rows = len(agents)
         self.agents = agents
         self.keep = (agents >= 0).nonzero().squeeze(1)
         self.kept = agents[self.keep]
         present = sorted(set(agents.tolist()))
         self.single = present[0] if len(present) == 1 and present[0] >= 0 else None
         self.by_agent = {k: (agents == k).nonzero().squeeze(1) for k in present if k >= 0}
+        self.unowned = (agents < 0).nonzero().squeeze(1) if -1 in present and len(present) > 1 else None
 
 
 @dataclass(eq=False)
@@ -139,78 +157,160 @@ class _Piece:
     layer: _Layer
     forward: _Forward
     inputs: torch.Tensor | None
+    dim: int = 0              # the batch dimension of ``inputs``
+    ambiguous: bool = False   # several dimensions had the batch size and none was verified
+    node: object = None       # the output's grad_fn: is this call reachable from a loss?
+
+
+class _Fallback(Exception):
+    """A call hooks cannot attribute: ``reason`` (a PROBE_METHODS suffix) and what to tell the user."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class HooksMethod(GramMethod):
-    """Per-agent gradients from layer hooks during one ordinary backward; see the module docstring."""
+    """Per-agent gradients from layer hooks during one ordinary backward; see the module docstring.
+
+    Args (beyond :class:`GramMethod`'s):
+        strict: ``method="hooks"`` was asked for: a failed self-check raises instead of switching to split.
+        check_every: self-check schedule: None never, 0 the first checkable probed step, n also every
+            n probed steps after a check.
+    """
 
     name = "hooks"
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
-                 n_agents: int, *, model: nn.Module | None = None, store: Store | None = None) -> None:
+                 n_agents: int, *, model: nn.Module | None = None, store: Store | None = None,
+                 strict: bool = False, check_every: int | None = 0) -> None:
         super().__init__(params, group_index, n_groups, n_agents, store=store)
         if model is None:
             raise ProbeError("the hooks method needs the model, to hook its layers; pass it or use method='split'")
         self.layers, uncovered = find_layers(model, self.params)
         if uncovered:
             raise ProbeError(f"hooks cannot attribute parameters {uncovered}; use method='split'")
+        self.strict, self.check_every = strict, check_every
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self._handles = [model.register_forward_pre_hook(self._on_model_call)]
+        self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward, layer))
                           for layer in self.layers]
         self._forwards: list[_Forward] = []
+        self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
+        self._tagged: _Forward | None = None  # the forward its layer calls go to
         self._new_forward = True
         self._in_call = False
         self._missed = False
-        self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients
+        self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients, this step
+        self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
         self._grad0: list[torch.Tensor | None] = []
-        self._magnitude: dict[int, torch.Tensor] = {}  # param index → Σ_tokens ‖G_t‖‖A_t‖ (float64 scalar)
-        self.fallback_calls = 0  # calls that went through split, since construction
+        self._magnitude: dict[int, torch.Tensor] = {}  # param index → magnitude S (float64 scalar)
+        self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
+        self._unowned_grad: str | None = None  # a layer whose rows of no agent received gradient
+        self.failed_check = False  # under auto, after a failed self-check: split from then on
+        self.fallback_calls = 0    # calls that went through split, since construction
+        self._steps_since_check: int | None = None  # None: never checked
+        self._reasons: list[str] = []
+        self._check: Store | None = None      # split's per-agent gradients of a step being checked
+        self._checkable = True
+        self._unverified: list[_Piece] = []   # calls whose batch dimension the check must confirm
+        self.warnings: list[str] = []         # of the step that just ended
+        self.record = "hooks"                 # of the step that just ended (a PROBE_METHODS name)
 
     # ------------------------------------------------------------------ hooks
-    def _on_model_call(self, module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled():
+    def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._tag is None:
             self._new_forward = True
             self._forwards = [f for f in self._forwards if not f.consumed]
+            return
+        agents, batch_dim, offset = self._tag
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        dim = batch_dim or 0
+        n = first.shape[dim] if first is not None and first.dim() > dim else len(agents) - offset
+        if offset + n > len(agents):
+            raise ProbeError(f"the model calls inside s.rows(...) hold more rows than its {len(agents)} agents")
+        self._tagged = _Forward(tag=agents[offset:offset + n], batch_dim=batch_dim)
+        self._forwards.append(self._tagged)
+        self._tag = (agents, batch_dim, offset + n)
 
     def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
-        x = args[0]
-        rows = x.shape[0] if x.dim() >= (1 if layer.embedding else 2) else -1
-        if self._new_forward or not self._forwards or self._forwards[-1].consumed:
-            self._forwards.append(_Forward(rows))
-            self._new_forward = False
-        forward = self._forwards[-1]
-        forward.ok &= rows == forward.rows
-        output.register_hook(partial(self._on_grad, _Piece(layer, forward, x.detach())))
+        forward = self._tagged
+        if forward is None:
+            if self._new_forward or not self._forwards or self._forwards[-1].tag is not None \
+                    or self._forwards[-1].consumed:
+                self._forwards.append(_Forward())
+                self._new_forward = False
+            forward = self._forwards[-1]
+        piece = _Piece(layer, forward, args[0].detach(), node=output.grad_fn)
+        forward.pieces.append(piece)
+        output.register_hook(partial(self._on_grad, piece))
+
+    @contextmanager
+    def tag(self, agents: torch.Tensor, batch_dim: int | None = None) -> Iterator[None]:
+        """The model calls inside the block hold rows ``agents`` (B,) between them, in call order (one call,
+        or chunks of the batch: a call's rows are its first tensor argument's batch dimension). Layers
+        called without the model go to one forward holding all B rows."""
+        if self._tag is not None:
+            raise ProbeError("s.rows(...) blocks cannot nest")
+        self._forwards = [f for f in self._forwards if not f.consumed]
+        self._tag = (agents, batch_dim, 0)
+        self._tagged = _Forward(tag=agents, batch_dim=batch_dim)  # replaced at the first model call
+        try:
+            yield
+            used = self._tag[2]
+            if used not in (0, len(agents)):
+                raise ProbeError(f"the model calls inside s.rows(...) hold {used} rows, its agents {len(agents)}")
+            if used == 0 and self._tagged.pieces:
+                self._forwards.append(self._tagged)
+        finally:
+            self._tag, self._tagged = None, None
+            self._new_forward = True
 
     def _on_grad(self, piece: _Piece, grad: torch.Tensor) -> None:
         forward, x = piece.forward, piece.inputs
         forward.consumed, piece.inputs = True, None
-        if not self._in_call:  # an unprobed backward, or one of a split fallback's
+        if not self._in_call:  # an unprobed backward, or one of a split fallback's or of the check's
             return
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
             return
         with torch.no_grad():
             layer = piece.layer
+            if piece.dim:
+                x, grad = x.movedim(piece.dim, 0), grad.movedim(piece.dim, 0)
+            if forward.unowned is not None and self._unowned_grad is None \
+                    and bool(grad.reshape(forward.rows, -1)[forward.unowned].any()):
+                self._unowned_grad = layer.name
+            g_norm = _norm(grad)
             if layer.embedding:
-                self._add_magnitude(layer.weight, grad.reshape(-1, grad.shape[-1]).double().norm(dim=1).sum())
+                self._add_magnitude(layer.weight, g_norm * grad[..., 0].numel() ** 0.5)
                 self._embedding_rows(layer, forward, x, grad)
-            else:
-                A = x.reshape(forward.rows, -1, x.shape[-1]).to(self.dtype)
-                G = grad.reshape(forward.rows, -1, grad.shape[-1]).to(self.dtype)
-                g_norm = G.norm(dim=-1).double()
-                if layer.weight is not None:
-                    self._add_magnitude(layer.weight, (A.norm(dim=-1).double() * g_norm).sum())
-                if layer.bias is not None:
-                    self._add_magnitude(layer.bias, g_norm.sum())
-                (self._linear if self.store is None else self._linear_to_store)(layer, forward, A, G)
+                return
+            A = x.reshape(forward.rows, -1, x.shape[-1])
+            G = grad.reshape(forward.rows, -1, grad.shape[-1])
+            if A.dtype != self.dtype:
+                A, G = A.to(self.dtype), G.to(self.dtype)
+            if layer.weight is not None:
+                self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
+            if layer.bias is not None:
+                self._add_magnitude(layer.bias, g_norm * (A.shape[0] * A.shape[1]) ** 0.5)  # Σ_t ‖G_t‖ ≤ √N ‖G‖
+            (self._linear if self.store is None else self._linear_to_store)(layer, forward, A, G)
+
+    def _norm_of(self, x: torch.Tensor) -> torch.Tensor:
+        """‖x‖_F in float64, once per input tensor and call (q, k and v projections share their input)."""
+        key = (x.data_ptr(), x.shape, x.stride(), x._version)
+        if key not in self._norms:  # the entry keeps x alive, so its address is not reused during the call
+            self._norms[key] = (x, _norm(x))
+        return self._norms[key][1]
 
     def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
-        """Add to ``Σ_tokens ‖G_t‖‖A_t‖`` of ``params[i]``: the Frobenius norm bound of the rank-one terms that
-        autograd (and this method) sum into the gradient, which scales their rounding error."""
+        """Add to the magnitude ``S`` of ``params[i]``: ``‖G‖_F ‖A‖_F`` per call (≥ ``Σ_tokens ‖G_t‖‖A_t‖`` by
+        Cauchy–Schwarz; for a bias or an embedding ``A_t`` is one), which bounds the norm of the rank-one terms
+        that autograd (and this method) sum into the gradient, and so scales their rounding error."""
         self._magnitude[i] = value if i not in self._magnitude else self._magnitude[i] + value
 
     # ------------------------------------------------------------------ per-agent contributions
@@ -230,7 +330,7 @@ class HooksMethod(GramMethod):
         self._materialise(layer)
         if fwd.single is not None:
             self._dense_of(layer.weight)[fwd.single].addmm_(G.flatten(0, 1).T, A.flatten(0, 1))
-        elif fwd.rows * d_out * d_in <= PER_ROW_LIMIT:
+        elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
             self._add_by_row(layer.weight, torch.bmm(G.transpose(1, 2), A), fwd)
         else:
             D = self._dense_of(layer.weight)
@@ -238,11 +338,7 @@ class HooksMethod(GramMethod):
                 D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
 
     def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor) -> None:
-        """Hand the store one call's per-agent ``G_kᵀ A_k`` (A: (rows, T, d_in), G: (rows, T, d_out)).
-
-        Small (LoRA) weights: per-row products summed by agent, as in :meth:`_linear`. Others: a block
-        of output rows at a time, so that no (K, d_out, d_in) tensor is formed.
-        """
+        """Hand the store one call's per-agent contributions (A: (rows, T, d_in), G: (rows, T, d_out))."""
         agents = list(fwd.by_agent)
         if not agents:
             return
@@ -251,15 +347,11 @@ class HooksMethod(GramMethod):
         if layer.weight is None:
             return
         d_out, d_in = self.params[layer.weight].shape
-        if fwd.rows * d_out * d_in <= PER_ROW_LIMIT and self.n_agents * d_out * d_in <= CHUNK:
+        if _per_row(fwd.rows, A.shape[1], d_out, d_in) and self.store.small(layer.weight):
             self.store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
             return
-        A_k = [A[fwd.by_agent[k]].flatten(0, 1) for k in agents]
-        G_k = [G[fwd.by_agent[k]].flatten(0, 1) for k in agents]
-        step = max(1, CHUNK // (len(agents) * d_in))
-        for r0 in range(0, d_out, step):
-            block = torch.stack([g[:, r0:r0 + step].T @ a for g, a in zip(G_k, A_k)])
-            self.store.add(layer.weight, agents, block.flatten(1), r0 * d_in)
+        token_agents = fwd.kept.repeat_interleave(A.shape[1])
+        self.store.add_outer(layer.weight, token_agents, G[fwd.keep].flatten(0, 1), A[fwd.keep].flatten(0, 1))
 
     def _sum_by_agent(self, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor:
         """(K, m): row b of ``per_row`` (rows, ...) flattened and added to its agent's row."""
@@ -292,9 +384,12 @@ class HooksMethod(GramMethod):
                            G.reshape(-1))
 
     def _dense_of(self, i: int) -> torch.Tensor:
-        if i not in self._dense:
-            p = self.params[i]
-            self._dense[i] = torch.zeros(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
+        if i not in self._dense:  # reuse the buffer of an earlier step: no allocation per step
+            buffer = self._buffers.get(i)
+            if buffer is None:
+                p = self.params[i]
+                buffer = self._buffers[i] = torch.empty(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
+            self._dense[i] = buffer.zero_()
         return self._dense[i]
 
     def _materialise(self, layer: _Layer) -> None:
@@ -315,68 +410,227 @@ class HooksMethod(GramMethod):
     # ------------------------------------------------------------------ the GramMethod protocol
     def begin(self) -> None:
         self._reset()
+        self.warnings, self._reasons = [], []
         if self.store is not None:
             self.store.zero()
         self._grad0 = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        if self._steps_since_check is not None:
+            self._steps_since_check += 1
+        since = self._steps_since_check
+        if self.check_every is not None and not self.failed_check and (
+                since is None or (self.check_every > 0 and since >= self.check_every)):
+            self._check = (self.store.local_copy() if self.store is not None
+                           else FlatStore(self.params, self.group_index, self.n_groups, self.n_agents))
+            self._check.zero()
 
-    def backward(self, terms: Sequence[tuple[int, torch.Tensor]], retain_graph: bool) -> None:
+    def backward(self, terms: Terms, retain_graph: bool) -> None:
         """No row information: this call goes through split (one backward per term)."""
+        self._split(terms, retain_graph, "per-agent-losses")
+
+    def _split(self, terms: Terms, retain_graph: bool, reason: str) -> None:
         self.fallback_calls += 1
+        self._reasons.append(reason)
         sink = self.store.add_grad if self.store is not None else self._add_agent_grad
+        if self._check is not None:
+            check, inner = self._check, sink
+
+            def sink(i: int, k: int, grad: torch.Tensor) -> None:  # noqa: F811 (both sides see these gradients)
+                inner(i, k, grad)
+                check.add_grad(i, k, grad)
         try:
             backward_per_agent(self.params, terms, retain_graph, sink)
         finally:
-            self._forwards.clear()
+            self._forwards = [f for f in self._forwards if f is self._tagged]
 
     def _add_agent_grad(self, i: int, agent: int, grad: torch.Tensor) -> None:
         self._dense_of(i)[agent].add_(grad)
 
-    def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, agents: Sequence[int],
-                        retain_graph: bool) -> None:
-        if not token_loss.requires_grad:
+    def backward_rows(self, loss: torch.Tensor, row_agents: torch.Tensor | None,
+                      terms: Callable[[], Terms] | None, retain_graph: bool) -> None:
+        if not loss.requires_grad:
             return
-        rows = _row_agents(agent_ids)
-        live = [f for f in self._forwards if not f.consumed]
-        if (rows is None or not live or not all(f.ok for f in live)
-                or sum(f.rows for f in live) != len(rows)):
-            return self.backward(token_terms(token_loss, agent_ids, agents), retain_graph)
-        start = 0
-        for f in live:
-            f.attach(rows[start:start + f.rows])
-            start += f.rows
+        live = [f for f in self._forwards if not f.consumed and f.pieces and f is not self._tagged]
+        try:
+            if self.failed_check:
+                raise _Fallback("check-failed", "hooks failed its self-check earlier")
+            live = self._match(live, row_agents, loss)
+        except _Fallback as fb:
+            if terms is None:
+                raise ProbeError(f"hooks cannot attribute this loss: {fb}; and split cannot split a scalar loss. "
+                                 "Pass per-row losses (backward_rows with a (B,) loss) or per-token losses") from None
+            if fb.reason != "check-failed":
+                self._warn(f"hooks fell back to split for a call: {fb}")
+            for f in live:
+                f.agents = None
+            return self._split(terms(), retain_graph, fb.reason)
+        checking = self._check is not None and terms is not None
+        if self._check is not None and terms is None:
+            self._checkable = False  # a scalar loss cannot be split: the check waits for a later step
+        ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
+        if ambiguous and not checking:
+            layer = ambiguous[0].layer
+            raise ProbeError(
+                f"hooks: cannot tell the batch dimension of layer {layer.name!r}: its input has several "
+                f"dimensions of size B = {ambiguous[0].forward.rows} (a sequence-first input with T == B?). "
+                "Tag the forward with s.rows(agent_of_row, batch_dim=d), or let the self-check find it "
+                "(per-row or per-token losses, check_every not None)")
+        self._unverified += ambiguous
         self._in_call, self._missed = True, False
         try:
-            torch.autograd.backward(token_loss.sum(), retain_graph=retain_graph)
+            torch.autograd.backward(loss.sum(), retain_graph=retain_graph or checking)
         finally:
-            self._in_call = False
-            self._forwards.clear()
+            self._in_call, self._norms = False, {}
+            self._forwards = [f for f in self._forwards if f is self._tagged]
         if self._missed or not all(f.consumed for f in live):
-            raise ProbeError("hooks: the rows of token_loss are not the rows of the model's forwards since the "
-                             "previous backward (in call order); use method='split' for this loop")
+            raise ProbeError("hooks: the backward reached hooked layers of a forward that is not among this "
+                             "call's (already back-propagated with retain_graph?); use method='split' for this loop")
+        if checking:
+            self._split_for_check(terms(), retain_graph)
+
+    def _match(self, live: list[_Forward], row_agents: torch.Tensor | None, loss: torch.Tensor) -> list[_Forward]:
+        """Give every forward the loss reaches the agents of its rows and every layer call its batch
+        dimension; returns those forwards."""
+        if len([f for f in live if f.tag is None]) > 1 or (len(live) > 1 and any(f.tag is None for f in live)):
+            reachable = _reachable_nodes(loss)  # forwards never back-propagated (stale) do not count
+            live = [f for f in live if any(id(p.node) in reachable for p in f.pieces)]
+        if not live:
+            raise _Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
+                                              "since the previous backward")
+        untagged = [f for f in live if f.tag is None]
+        if untagged and len(live) > 1:
+            raise _Fallback("untagged-forwards", f"{len(live)} forwards of the model since the previous backward, "
+                            f"{len(untagged)} without row tags: their rows cannot be matched to the loss's rows "
+                            "without trusting call order; tag each forward: with s.rows(agent_of_row): model(...)")
+        if untagged:
+            if row_agents is None:
+                raise _Fallback("mixed-rows", "a row holds tokens of several agents")
+            untagged[0].tag = row_agents
+        for f in live:
+            B = len(f.tag)
+            for piece in f.pieces:
+                x = piece.inputs
+                if x is None:
+                    continue
+                shape = x.shape if piece.layer.embedding else x.shape[:-1]
+                if f.batch_dim is not None:
+                    if f.batch_dim >= len(shape) or shape[f.batch_dim] != B:
+                        raise _Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
+                                        f"{tuple(x.shape)} has no dimension {f.batch_dim} of size B = {B}")
+                    piece.dim = f.batch_dim
+                    continue
+                dims = [d for d, n in enumerate(shape) if n == B]
+                if not dims:
+                    raise _Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
+                                    f"{tuple(x.shape)} has no dimension of the batch size B = {B}")
+                verified = piece.layer.batch_dim
+                piece.dim = verified if verified in dims else dims[0]
+                piece.ambiguous = len(dims) > 1 and verified not in dims
+            f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
+        return live
+
+    def _split_for_check(self, terms: Terms, retain_graph: bool) -> None:
+        """The self-check's side: each agent's gradient by ``autograd.grad`` (``.grad`` untouched)."""
+        live = [(i, p) for i, p in enumerate(self.params) if p.requires_grad]
+        todo = [(k, t) for k, t in terms if t.requires_grad]
+        for j, (k, term) in enumerate(todo):
+            grads = torch.autograd.grad(term, [p for _, p in live], retain_graph=retain_graph or j < len(todo) - 1,
+                                        allow_unused=True)
+            for (i, _), g in zip(live, grads):
+                if g is not None:
+                    self._check.add_grad(i, k, g)
+
+    def _warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+            warnings.warn(f"gradscope probe: {message}", RuntimeWarning, stacklevel=4)
 
     def end(self) -> np.ndarray:
         """Per-group Grams: the store's, or ``D Dᵀ`` per dense parameter (in the accumulation dtype, summed in
         float64) plus the ghost / touched-rows Grams of the layers still holding token rows."""
         try:
             ghost = self._ghost_params()
+            per_param: dict[int, np.ndarray] = {}
             if self.store is None:
-                grams = self._local_grams()
+                grams = self._local_grams(per_param if self._check is not None else None)
                 total, diag = grams.sum((1, 2)), np.diagonal(grams, axis1=1, axis2=2)
                 delta_sq = squared_norms(self._deltas(), self.group_index, self.n_groups)
             else:  # check this rank's contributions before the store sums the ranks'
                 total, diag = self.store.sums()
                 delta_sq = self.store.norms_sq(self._deltas())
-            bad = self._check(total, diag, delta_sq, ghost)
+            bad = self._check_add_up(total, diag, delta_sq, ghost)
+            failure = None if self._check is None else self._self_check(
+                grams if self.store is None else self.store.local_grams(), per_param, ghost)
+            if failure is not None and not self.strict:
+                self.failed_check = True
+                self._warn(failure + "; this record has split's Gram and the probe uses split from now on")
+                self._reasons.insert(0, "check-failed")
+                if self.store is None:
+                    grams = self._check.local_grams()
+                else:
+                    for mine, theirs in zip(self.store._buffers(), self._check._buffers()):
+                        mine.copy_(theirs)
+                bad = []  # split's Gram adds up by construction
             if self.store is not None:
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
+            checked = self._check is not None and self._checkable
+            unowned = self._unowned_grad
             self._reset()
         if bad:
+            if unowned is not None:
+                raise ProbeError(f"hooks: rows tagged with no agent (-1) receive gradient at layer {unowned!r}: "
+                                 "the forwards' row tags do not match the loss's rows (losses concatenated in another "
+                                 "order than the forwards ran?)")
             raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
                              "gradient; a probed weight is used outside its layer's forward. Use method='split'")
+        if failure is not None and self.strict:
+            raise ProbeError(failure)
+        self.record = ("split-fallback:" + self._reasons[0] if self._reasons
+                       else "hooks+check" if checked else "hooks")
         return grams
 
-    def _local_grams(self) -> np.ndarray:
+    def _self_check(self, grams: np.ndarray, per_param: dict[int, np.ndarray], ghost: set[int]) -> str | None:
+        """Compare this step's hooks Grams with split's; a message naming what differs, or None."""
+        if self._check is None:
+            return None
+        if not self._checkable:
+            return None
+        tol, eps = add_up_tolerance(self._grad_dtype())
+        split = self._check.local_grams()
+        magnitude = np.zeros(self.n_groups)
+        for i, m in self._magnitude.items():
+            magnitude[self.group_index[i]] += float(m) ** 2
+        bad = _differs(grams, split, tol, eps, np.sqrt(magnitude))
+        if self._check.group is None and self.store is not None and self.store.group is not None:
+            flag = torch.tensor([float(bad.any())])
+            bad = bad | bool(all_reduce_sum_(flag, self.store.group)[0] > 0)  # every rank decides alike
+        self._steps_since_check = 0
+        if not bad.any():
+            for piece in self._unverified:  # the attribution by these dimensions is confirmed
+                piece.layer.batch_dim = piece.dim
+            return None
+        where = f"parameter group(s) {np.flatnonzero(bad).tolist()}"
+        layer = next((lay for lay in self.layers for i in (lay.weight, lay.bias) if i in per_param
+                      and _differs(per_param[i][None], self._check.param_gram(i)[None], tol, eps,
+                                   np.sqrt([float(self._magnitude.get(i, 0.0)) ** 2])).any()), None)
+        if layer is not None:
+            where = f"layer {layer.name!r}"
+        hint = ("the forwards' row tags (s.rows) do not match the rows of the loss, or a layer's input is not "
+                "row-major in the batch")
+        unverified = [p for p in self._unverified if layer is None or p.layer is layer]
+        if unverified:
+            p = unverified[0]
+            hint = (f"layer {p.layer.name!r} has several input dimensions of size B = {p.forward.rows} and dimension "
+                    f"{p.dim} is not the batch one (a sequence-first (T, B, d) input with T == B?): tag the forward "
+                    "with s.rows(agent_of_row, batch_dim=d)")
+        return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's, so rows are "
+                f"attributed to the wrong agents; {hint}")
+
+    def _grad_dtype(self) -> torch.dtype:
+        dtypes = {p.dtype for p in self.params}
+        return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else torch.float32
+
+    def _local_grams(self, per_param: dict[int, np.ndarray] | None = None) -> np.ndarray:
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def add(i: int, gram: torch.Tensor) -> None:
@@ -384,6 +638,8 @@ class HooksMethod(GramMethod):
                 per_device[gram.device] = gram.new_zeros(self.n_groups, self.n_agents, self.n_agents,
                                                          dtype=torch.float64)
             per_device[gram.device][self.group_index[i]] += gram
+            if per_param is not None:
+                per_param[i] = gram.cpu().numpy()
 
         for layer in self.layers:
             if not layer.rows:
@@ -411,6 +667,8 @@ class HooksMethod(GramMethod):
     def _reset(self) -> None:
         self._dense, self._grad0, self._magnitude = {}, [], {}
         self._in_call = False
+        self._unowned_grad = None
+        self._check, self._checkable, self._unverified = None, True, []
         for layer in self.layers:
             layer.rows, layer.n_rows = [], 0
 
@@ -426,7 +684,7 @@ class HooksMethod(GramMethod):
         return {layer.weight for layer in self.layers
                 if layer.rows and not layer.embedding and layer.weight not in self._dense}
 
-    def _check(self, total: np.ndarray, diag: np.ndarray, delta_sq: np.ndarray, ghost: set[int]) -> list[int]:
+    def _check_add_up(self, total: np.ndarray, diag: np.ndarray, delta_sq: np.ndarray, ghost: set[int]) -> list[int]:
         """The groups whose Gram does not add up to the gradient: ``Σ_kl M^g_kl`` (total, (G,)) must equal
         ``‖Δ.grad_g‖²`` (delta_sq, through the store's map) to within :func:`add_up_tolerance`.
 
@@ -457,14 +715,42 @@ class HooksMethod(GramMethod):
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
 
 
+def _reachable_nodes(loss: torch.Tensor) -> set[int]:
+    """ids of the autograd nodes a backward of ``loss`` reaches (a walk of its graph, only needed when
+    several forwards are candidates)."""
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """‖x‖_F as a float64 scalar, reduced in x's own precision (fp32 for 16-bit x, which could overflow):
+    no float64 copy of x."""
+    return torch.linalg.vector_norm(x, dtype=torch.float32 if x.element_size() < 4 else None).double()
+
+
+def _per_row(rows: int, T: int, d_out: int, d_in: int) -> bool:
+    """Per-row products ``G_bᵀ A_b`` (one bmm, then summed by agent) rather than one matmul per agent over
+    gathered rows: when the rows × d_out × d_in products are no bigger than a few copies of the rows
+    themselves (LoRA factors), and at most :data:`PER_ROW_LIMIT` values."""
+    size = rows * d_out * d_in
+    return size <= PER_ROW_LIMIT and size <= 4 * rows * T * (d_out + d_in)
+
+
 def add_up_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     """``(tol, eps)`` of the add-up check for gradients of ``dtype``.
 
     ``|Σ_kl M_kl − ‖Δ.grad‖²|`` may be at most ``tol · (Σ_k ‖g_k‖)² + eps · (S (‖Δ.grad‖ + ‖Σ_k g_k‖) + S_ghost²)``:
     the first term is rounding relative to the agents' gradients (1e-4 fp32, 1e-8 fp64, 3e-2 16-bit);
     the second is rounding relative to what was summed into them. ``S`` bounds the norm of the
-    rank-one token terms ``G_t A_tᵀ`` (``Σ_t ‖G_t‖‖A_t‖`` per weight, root-sum-square over the group's
-    weights, plus ‖.grad‖ before the step); when they cancel (two identical rows with opposite
+    rank-one token terms ``G_t A_tᵀ`` (``Σ_calls ‖G‖_F ‖A‖_F ≥ Σ_t ‖G_t‖‖A_t‖`` per weight, root-sum-square
+    over the group's weights, plus ‖.grad‖ before the step); when they cancel (two identical rows with opposite
     advantages) the gradient is rounding noise of size ``eps · S`` that no relative tolerance allows.
     ``S_ghost²`` covers ghost weights, whose Gram is summed from products of token pairs. ``eps`` is
     64 machine epsilons, at most ``tol``.
@@ -473,12 +759,13 @@ def add_up_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return tol, min(tol, 64 * torch.finfo(dtype).eps)
 
 
-def _row_agents(agent_ids: torch.Tensor) -> torch.Tensor | None:
-    """(B,) the agent of each row (-1: no agent tokens), or None if some row holds two agents' tokens."""
-    ids = agent_ids.reshape(agent_ids.shape[0], -1)
-    hi = ids.max(1).values
-    lo = torch.where(ids < 0, hi[:, None], ids).min(1).values
-    return None if bool((lo != hi).any()) else hi
+def _differs(a: np.ndarray, b: np.ndarray, tol: float, eps: float, magnitude: np.ndarray) -> np.ndarray:
+    """(G,) whether Grams ``a`` and ``b`` (G, K, K) differ beyond rounding: entry kl by more than
+    ``10 tol √(M_kk M_ll) + 10 eps S (√M_kk + √M_ll + S)`` (M: the larger diagonal; S: the group's magnitude)."""
+    d = np.sqrt(np.clip(np.maximum(np.diagonal(a, axis1=1, axis2=2), np.diagonal(b, axis1=1, axis2=2)), 0, None))
+    S = magnitude[:, None, None]
+    allowed = 10 * tol * d[:, :, None] * d[:, None, :] + 10 * eps * S * (d[:, :, None] + d[:, None, :] + S)
+    return (np.abs(a - b) > allowed + np.finfo(np.float64).tiny).any(axis=(1, 2))
 
 
 def _ghost_gram(A: torch.Tensor, G: torch.Tensor, agents: torch.Tensor, K: int) -> torch.Tensor:

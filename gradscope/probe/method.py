@@ -1,7 +1,7 @@
 """The pluggable part of the probe: how per-agent gradient contributions are measured.
 
 A :class:`GramMethod` sees one probed step at a time: ``begin``, any number of ``backward`` /
-``backward_tokens`` calls (one per micro-batch), then ``end`` (or ``abort`` on error). After ``end``
+``backward_rows`` calls (one per micro-batch), then ``end`` (or ``abort`` on error). After ``end``
 every parameter's ``.grad`` must be what an unprobed step would have left, to fp32 rounding.
 With a :class:`~gradscope.probe.store.Store` (sketch mode, data parallelism), ``end`` returns
 ``store.grams()``: the per-agent contributions must have gone into the store.
@@ -9,13 +9,20 @@ With a :class:`~gradscope.probe.store.Store` (sketch mode, data parallelism), ``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from gradscope.errors import ProbeError
 from gradscope.probe.store import Store
+
+
+#: Per-agent scalar loss terms, each tagged with its agent index.
+Terms = Sequence[tuple[int, torch.Tensor]]
 
 
 def token_terms(token_loss: torch.Tensor, agent_ids: torch.Tensor,
@@ -50,17 +57,31 @@ class GramMethod(ABC):
     def begin(self) -> None:
         """Start a step: set aside any gradient already in ``.grad``."""
 
+    #: What measured the step that just ended (a name of ``gradscope.runfile.schema.PROBE_METHODS``).
+    record: str = "split"
+    #: Warnings of the step that just ended (fallbacks, a failed self-check), for the run file.
+    warnings: Sequence[str] = ()
+
     @abstractmethod
-    def backward(self, terms: Sequence[tuple[int, torch.Tensor]], retain_graph: bool) -> None:
+    def backward(self, terms: Terms, retain_graph: bool) -> None:
         """Back-propagate ``Σ terms`` (scalar losses, each tagged with its agent index)."""
 
-    def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, agents: Sequence[int],
-                        retain_graph: bool) -> None:
-        """Back-propagate ``token_loss.sum()``; ``agent_ids`` (same shape) holds each token's agent, -1 for none.
+    def backward_rows(self, loss: torch.Tensor, row_agents: torch.Tensor | None,
+                      terms: Callable[[], Terms] | None, retain_graph: bool) -> None:
+        """Back-propagate ``loss.sum()``, a loss whose rows (the model's batch rows) each belong to one agent.
 
-        ``agents`` lists the agent indices that own at least one token. Default: one term per agent.
+        ``row_agents``: (B,) the agent of each row (-1: none), None when a row mixes agents;
+        ``terms()``: the per-agent loss terms, None for a scalar loss (which cannot be split).
+        Default (split): one backward per term.
         """
-        self.backward(token_terms(token_loss, agent_ids, agents), retain_graph)
+        if terms is None:
+            raise ProbeError(f"method {self.name!r} cannot split a scalar loss by agent; pass per-row losses "
+                             "(backward_rows with a (B,) loss) or per-token losses")
+        self.backward(terms(), retain_graph)
+
+    def tag(self, agents: torch.Tensor, batch_dim: int | None = None) -> AbstractContextManager[None]:
+        """Forwards inside the block have row b of agent ``agents[b]`` (only hooks needs to know)."""
+        return nullcontext()
 
     @abstractmethod
     def end(self) -> np.ndarray:

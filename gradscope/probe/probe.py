@@ -7,11 +7,14 @@ A training loop declares its agents and their roles once, then wraps each optimi
                          "aggregator": "aggregator"})
     with probe.step(step=t) as s:
         for batch in micro_batches:               # gradient accumulation is fine
-            s.backward({"voter0": l0, ..., "aggregator": l3})   # Σ terms = the ordinary loss
-    result = s.result                             # StepResult: gram (K, K), tokens (K,)
-    optimizer.step()                              # .grad is exactly what loss.backward() leaves
+            token_loss = per_token_loss(model, batch)        # (B, T), weighted as in the full loss
+            s.backward_tokens(token_loss, batch.agent_ids)   # (B, T) agent index per token, -1: none
+    result = s.result                             # StepResult: gram (K, K), tokens (K,), method
+    optimizer.step()                              # .grad is exactly what token_loss.sum().backward() leaves
 
-Each loss term must be normalised exactly as inside the full loss, so that ``Σ_k g_k = g``.
+Per-row losses (``s.backward_rows(row_loss, agent_of_row)``), a scalar loss that sums or averages
+rows (same call), and per-agent loss terms (``s.backward({agent: loss})``, one backward per agent)
+work too. Each loss term must be normalised exactly as inside the full loss, so that ``Σ_k g_k = g``.
 
 Under torchrun (torch.distributed initialised with several ranks) the Gram is that of the global
 per-agent gradients, summed over ranks: see docs/distributed.md. ``sketch=k`` measures it through a
@@ -35,7 +38,7 @@ from gradscope.peft_support import adapter_parameters
 from gradscope.probe.distributed import all_reduce_sum_, check_same_setup, resolve_group, world_size
 from gradscope.probe.groups import GroupSpec, assign_groups
 from gradscope.probe.hooks import HooksMethod, find_layers
-from gradscope.probe.method import GramMethod
+from gradscope.probe.method import GramMethod, token_terms
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
 from gradscope.probe.store import FlatStore, Store
@@ -58,6 +61,10 @@ class StepResult:
             over the ranks when distributed; estimated from sketches in sketch mode).
         group_gram: (G, K, K) float64, the same restricted to each parameter group (``Σ_g = gram``).
         tokens: (K,) int64, tokens attributed to each agent during the step (summed over the ranks).
+        method: what measured the Gram: one of ``gradscope.runfile.schema.PROBE_METHODS`` (``"hooks"``,
+            ``"hooks+check"``, ``"split"``, ``"split-fallback:<reason>"``), for the run file.
+        warnings: what the probe had to warn about in this step (a fallback and why, a failed
+            self-check), for the run file's events.
     """
 
     step: int
@@ -65,6 +72,8 @@ class StepResult:
     gram: np.ndarray
     group_gram: np.ndarray
     tokens: np.ndarray
+    method: str = "split"
+    warnings: tuple[str, ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -94,6 +103,8 @@ class Probe:
             torch.distributed is initialised with more than one, a process group sums over its ranks,
             False keeps this rank's gradients only. Fixed at construction (``world_size``), and every
             rank of the group must build the probe alike and probe the same steps (collectives).
+        check_every: the hooks method's self-check against split: 0 (default) on the first probed step
+            with per-row or per-token losses; n > 0 also every n probed steps after it; None never.
         optimizer: a torch AdamW / Adam to attribute the updates of, as :meth:`attach` (None: none yet).
         update_unit: ``"role"`` (default) or ``"agent"``: what the updates are split into.
 
@@ -104,7 +115,7 @@ class Probe:
     def __init__(self, model: nn.Module | None, agents: Sequence[str], roles: Mapping[str, str], *,
                  params: ParamsLike | None = None, groups: GroupSpec = None, method: str = "auto",
                  sketch: int | Sketch | None = None,
-                 process_group: dist.ProcessGroup | bool | None = None,
+                 process_group: dist.ProcessGroup | bool | None = None, check_every: int | None = 0,
                  optimizer: torch.optim.Optimizer | None = None, update_unit: str = "role") -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
@@ -113,6 +124,8 @@ class Probe:
             raise ProbeError(f"no role given for agents {missing}")
         if method != "auto" and method not in METHODS:
             raise ProbeError(f"unknown probe method {method!r}; available: {sorted(METHODS) + ['auto']}")
+        if check_every is not None and (not isinstance(check_every, int) or check_every < 0):
+            raise ProbeError(f"check_every must be None or an integer >= 0, got {check_every!r}")
         self.sketch = as_sketch(sketch)
         self.process_group = resolve_group(process_group)
         self.world_size = world_size(self.process_group)
@@ -140,8 +153,9 @@ class Probe:
                                 self.sketch, self.process_group)
         elif self.process_group is not None:
             store = FlatStore(params_only, group_index, len(self.groups), len(agents), self.process_group)
+        options = {"strict": method == "hooks", "check_every": check_every} if self.method_name == "hooks" else {}
         self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
-                                                 model=model, store=store)
+                                                 model=model, store=store, **options)
         self.params, self.group_index = params_only, group_index
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
@@ -179,7 +193,8 @@ class Probe:
             grams = self._method.end()
             if self.process_group is not None:
                 handle.tokens = all_reduce_sum_(torch.from_numpy(handle.tokens), self.process_group).numpy()
-            handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens)
+            handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens,
+                                                   self._method.record, tuple(self._method.warnings))
             if self._updates is not None:
                 self._updates.collected(handle.result)
         finally:
@@ -261,6 +276,52 @@ class ProbeStep:
             self.tokens[self._probe.agent_index(agent)] += int(n)
         self._probe._method.backward(terms, retain_graph)
 
+    @contextmanager
+    def rows(self, agent_of_row: torch.Tensor | Sequence[int | str], batch_dim: int | None = None) -> Iterator[None]:
+        """Tag the forwards inside the block: row b of their batch belongs to ``agent_of_row[b]``.
+
+        Args:
+            agent_of_row: (B,) agent index (or name) of each row of the batch; -1 (or None) for a row
+                of no agent, whose loss must be 0.
+            batch_dim: which dimension of each hooked layer's input is the batch (default: the one of
+                size B; needed when several have size B and the self-check is off).
+
+        Tagged forwards are matched to their rows whatever order the losses are concatenated in, and
+        any number of them may precede one backward (e.g. one forward per role).
+        """
+        agents = self._agents(agent_of_row)
+        with self._probe._method.tag(agents, batch_dim):
+            yield
+
+    def backward_rows(self, row_loss: torch.Tensor, agent_of_row: torch.Tensor | Sequence[int | str], *,
+                      tokens: torch.Tensor | Sequence[int] | None = None, retain_graph: bool = False) -> None:
+        """Back-propagate a loss whose rows (the model's batch rows) each belong to one agent.
+
+        Args:
+            row_loss: (B,) per-row loss, already weighted as in the full loss (``loss = row_loss.sum()``),
+                or a scalar that is a sum or mean of per-row losses (a framework's loss): hooks then
+                attributes each row's share, but split cannot split a scalar, so a scalar needs the
+                hooks method and rows it can match (else a ProbeError says so).
+            agent_of_row: (B,) agent index (or name) of each row; -1 (or None) for none (zero loss).
+            tokens: (B,) tokens of each row, added to its agent's count (default: none counted).
+            retain_graph: keep the graph, as in ``Tensor.backward``.
+        """
+        agents = self._agents(agent_of_row)
+        if row_loss.dim() not in (0, 1) or (row_loss.dim() == 1 and len(row_loss) != len(agents)):
+            raise ProbeError(f"row_loss must be a scalar or have shape ({len(agents)},) like agent_of_row, "
+                             f"got {tuple(row_loss.shape)}")
+        if row_loss.dim() == 1 and bool((row_loss.detach()[agents < 0] != 0).any()):
+            raise ProbeError("rows with agent -1 carry non-zero loss; mask them out or attribute them")
+        if tokens is not None:
+            counts = torch.as_tensor(tokens).reshape(-1)
+            if len(counts) != len(agents):
+                raise ProbeError(f"tokens must have one count per row ({len(agents)}), got {len(counts)}")
+            self.tokens += np.bincount(agents[agents >= 0].cpu().numpy(), counts[agents.cpu() >= 0].cpu().numpy(),
+                                       minlength=len(self.tokens)).astype(np.int64)
+        present = sorted(set(agents[agents >= 0].tolist()))
+        terms = None if row_loss.dim() == 0 else (lambda: token_terms(row_loss, agents.to(row_loss.device), present))
+        self._probe._method.backward_rows(row_loss, agents, terms, retain_graph)
+
     def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, *,
                         retain_graph: bool = False) -> None:
         """Back-propagate ``token_loss.sum()``, attributing each token to the agent that wrote it.
@@ -281,7 +342,27 @@ class ProbeStep:
             raise ProbeError(f"agent id {counts.numel() - 1} out of range for {len(self.tokens)} agents")
         self.tokens += counts.cpu().numpy()
         agents = [k for k, n in enumerate(counts.tolist()) if n > 0]
-        self._probe._method.backward_tokens(token_loss, agent_ids, agents, retain_graph)
+        self._probe._method.backward_rows(token_loss, _row_agents(agent_ids),
+                                          lambda: token_terms(token_loss, agent_ids, agents), retain_graph)
+
+    def _agents(self, agent_of_row: torch.Tensor | Sequence[int | str]) -> torch.Tensor:
+        """(B,) int64 agent indices from indices or names (-1 / None: no agent)."""
+        if isinstance(agent_of_row, torch.Tensor):
+            agents = agent_of_row.reshape(-1).long()
+        else:
+            agents = torch.tensor([-1 if a is None else self._probe.agent_index(a) if isinstance(a, str) else int(a)
+                                   for a in agent_of_row], dtype=torch.long)
+        if len(agents) and (int(agents.max()) >= len(self.tokens) or int(agents.min()) < -1):
+            raise ProbeError(f"agent ids must be in [-1, {len(self.tokens) - 1}], got {agents.tolist()[:8]}...")
+        return agents
+
+
+def _row_agents(agent_ids: torch.Tensor) -> torch.Tensor | None:
+    """(B,) the agent of each row (-1: no agent tokens), or None if some row holds two agents' tokens."""
+    ids = agent_ids.reshape(agent_ids.shape[0], -1)
+    hi = ids.max(1).values
+    lo = torch.where(ids < 0, hi[:, None], ids).min(1).values
+    return None if bool((lo != hi).any()) else hi
 
 
 def _choose_method(method: str, model: nn.Module | None, named: list[tuple[str, nn.Parameter]]) -> str:

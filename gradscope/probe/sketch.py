@@ -2,13 +2,16 @@
 
 Each parameter group is sketched separately, and within a group each LoRA adapter (and the non-LoRA
 rest) separately: a "cell". Coordinate j of parameter ``name`` goes to bucket ``h(j)`` of k with
-sign ``s(j)``; the sketch of a cell's part of a vector x is ``(Sx)_b = Σ_{j: h(j)=b} s(j) x_j`` and
+sign ``s(j)`` (for large matrices h and s are tensor-structured, see :class:`SketchStore`); the sketch of a cell's part of a vector x is ``(Sx)_b = Σ_{j: h(j)=b} s(j) x_j`` and
 the sketched Gram of a group is ``M̂_kl = Σ_cells <S g_k, S g_l>``. Cells keep agents of different
 adapters (Isolated-Policy) exactly orthogonal, as they are, instead of adding sketch noise there. Properties (h, s from a random degree-3 polynomial over GF(2^31 - 1), so
 the pair (h(j), s(j)) is 4-wise independent across coordinates, up to a relative bias ~2k/2^31):
 
 * unbiased: ``E M̂_kl = M_kl``;
-* ``Var M̂_kl = (M_kk M_ll + M_kl² - 2 Σ_j g_kj² g_lj²) / k  ≤  (M_kk M_ll + M_kl²) / k``;
+* ``Var M̂_kl = (M_kk M_ll + M_kl² - 2 Σ_j g_kj² g_lj²) / k  ≤  (M_kk M_ll + M_kl²) / k`` (CountSketch);
+  tensor-hashed matrices X = g_k, Y = g_l: ``Var ≈ (‖X‖²‖Y‖² + ⟨X,Y⟩² + ‖XYᵀ‖² + ‖XᵀY‖² +
+  tr((XYᵀ)²) + tr((XᵀY)²)) / k ≤ 3 (M_kk M_ll + M_kl²) / k`` to first order in 1/k (3× for rank-one
+  X = Y; about 1× for matrices summed from many tokens);
 * linear: the sketch of a sum is the sum of sketches, so gradient accumulation and ranks add up
   (every rank hashes alike: the hash depends only on the seed, the parameter's name and j);
 * O(P) time per sketched vector, k values per agent and group in memory; nothing O(P) is kept
@@ -34,6 +37,8 @@ from gradscope.probe.store import CHUNK, Store
 
 #: The Mersenne prime 2^31 - 1: hashed coordinates must be below it, products of two residues fit int64.
 PRIME = (1 << 31) - 1
+#: TensorSketch transforms this many values (tokens × k) at a time: small enough to stay in cache.
+FFT_VALUES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,17 @@ def signed_buckets(coeffs: tuple[int, int, int, int], coords: torch.Tensor, k: i
 class SketchStore(Store):
     """A (C, K, k) float64 sketch of every agent's gradient, per cell (parameter group × LoRA adapter).
 
+    Each parameter is hashed one of two ways, fixed by its shape (so alike on every rank):
+
+    * vectors and matrices whose per-token products are cheap (LoRA factors, biases; see
+      :func:`_tensor_hashed`): CountSketch of the flattened coordinates, ``(h, s)`` 4-wise independent;
+    * larger matrices (d_out, d_in) (full-width weights; >2-D ones as (shape[0], rest)): the
+      tensor-structured hash ``h(i, j) = (h_r(i) + h_c(j)) mod k``, ``s(i, j) = s_r(i) s_c(j)`` with
+      independent row and column hashes. The sketch of an outer product ``g aᵀ`` is then the circular
+      convolution of the CountSketches of ``g`` and ``a`` (TensorSketch), so per-token products are
+      sketched by FFT without ever forming them (:meth:`add_outer`). Only the row and column hashes
+      (d_out + d_in values) are kept.
+
     Args:
         names: the probed parameters' names (they key the hash, so they must match across ranks).
         sketch: bucket count and seed.
@@ -98,11 +114,13 @@ class SketchStore(Store):
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], group_index: Sequence[int],
                  n_groups: int, n_agents: int, sketch: Sketch, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, group_index, n_groups, n_agents, group)
-        too_big = [n for n, p in zip(names, self.params) if p.numel() >= PRIME]
+        too_big = [n for n, p in zip(names, self.params) if max(_matrix_shape(p)) >= PRIME or p.numel() >= PRIME]
         if too_big:
             raise ProbeError(f"sketch mode hashes at most 2^31 - 2 values per parameter; {too_big[0]} has more")
-        self.k = sketch.k
+        self.names, self.sketch, self.k = list(names), sketch, sketch.k
         self.coeffs = [hash_coefficients(sketch.seed, n) for n in names]
+        self.tensor = [_tensor_hashed(p, self.k) for p in self.params]
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         cells = [(g, adapter_of(n) or "") for g, n in zip(self.group_index, names)]
         self.cells = list(dict.fromkeys(cells))          # (group, adapter) per cell
         self.cell_index = [self.cells.index(c) for c in cells]
@@ -111,28 +129,112 @@ class SketchStore(Store):
     def zero(self) -> None:
         self.state.zero_()
 
+    def small(self, i: int) -> bool:
+        """CountSketched parameters take whole per-agent products; tensor-hashed ones per-token factors."""
+        return not self.tensor[i]
+
+    def local_copy(self) -> "SketchStore":
+        return SketchStore(self.params, self.names, self.group_index, self.n_groups, self.n_agents, self.sketch)
+
     def _fold(self, signed: torch.Tensor) -> torch.Tensor:
         """(..., 2k) signed-bucket sums → (..., k) sketch in float64."""
         return (signed[..., :self.k] - signed[..., self.k:]).double()
 
+    def _axis_hashes(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor-hashed ``params[i]``: signed buckets (in ``[0, 2k)``) of its rows and of its columns."""
+        if i not in self._tables:
+            rows, cols = _matrix_shape(self.params[i])
+            self._tables[i] = tuple(  # type: ignore[assignment]
+                signed_buckets(hash_coefficients(self.sketch.seed, f"{self.names[i]}\0{axis}"),
+                               torch.arange(n, device=self.device), self.k)
+                for axis, n in (("rows", rows), ("cols", cols)))
+        return self._tables[i]
+
+    def _signed_index(self, i: int, coords: torch.Tensor) -> torch.Tensor:
+        """Signed bucket in ``[0, 2k)`` of flattened coordinates ``coords`` (int64) of ``params[i]``."""
+        if not self.tensor[i]:
+            return signed_buckets(self.coeffs[i], coords, self.k)
+        cols = _matrix_shape(self.params[i])[1]
+        h_rows, h_cols = self._axis_hashes(i)
+        return self._combine(h_rows[coords // cols], h_cols[coords % cols])
+
+    def _combine(self, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Signed bucket of (row, column) from their signed buckets (broadcasting): ``(h_r + h_c) mod k``,
+        negative when exactly one of the two signs is."""
+        k = self.k
+        return (r % k + c % k) % k + k * ((r >= k) ^ (c >= k))
+
+    def _range_index(self, i: int, start: int, m: int) -> torch.Tensor:
+        """Signed buckets of the coordinates ``[start, start + m)``: for a tensor-hashed matrix, built from
+        the rows they span (broadcast) instead of per-coordinate division."""
+        if not self.tensor[i]:
+            return signed_buckets(self.coeffs[i], torch.arange(start, start + m, device=self.device), self.k)
+        cols = _matrix_shape(self.params[i])[1]
+        h_rows, h_cols = self._axis_hashes(i)
+        r0, r1 = start // cols, -(-(start + m) // cols)
+        block = self._combine(h_rows[r0:r1, None], h_cols[None, :]).reshape(-1)
+        return block[start - r0 * cols:start - r0 * cols + m]
+
     def _project(self, i: int, values: torch.Tensor, start: int) -> torch.Tensor:
         """(a, k) float64 sketches of rows ``values`` (a, m), coordinates ``[start, start + m)`` of ``params[i]``."""
-        out = torch.zeros(values.shape[0], self.k, dtype=torch.float64, device=self.device)
+        a = values.shape[0]
+        if self.tensor[i] and start == 0 and values.shape[1] == self.params[i].numel():
+            return self._project_matrices(i, values)
+        out = torch.zeros(a, self.k, dtype=torch.float64, device=self.device)
+        offsets = torch.arange(a, device=self.device)[:, None] * (2 * self.k)
         for lo in range(0, values.shape[1], CHUNK):
             chunk = values[:, lo:lo + CHUNK].to(self.device, self.dtype)
-            coords = torch.arange(start + lo, start + lo + chunk.shape[1], device=self.device)
-            index = signed_buckets(self.coeffs[i], coords, self.k)
-            out += self._fold(chunk.new_zeros(chunk.shape[0], 2 * self.k).index_add_(1, index, chunk))
+            index = self._range_index(i, start + lo, chunk.shape[1])
+            signed = torch.bincount((index + offsets).reshape(-1), chunk.reshape(-1), minlength=a * 2 * self.k)
+            out += self._fold(signed.view(a, 2 * self.k))
         return out
+
+    def _project_matrices(self, i: int, values: torch.Tensor) -> torch.Tensor:
+        """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each row's CountSketch over
+        the columns, rolled by the row's bucket and signed (``TS(X) = Σ_i s_r(i) roll(C_c x_i, h_r(i))``)."""
+        rows, cols = _matrix_shape(self.params[i])
+        h_rows, h_cols = self._axis_hashes(i)
+        k, a = self.k, values.shape[0]
+        Y = self._count_sketch(values.reshape(a * rows, cols), h_cols)            # (a·rows, k)
+        Y = Y * (1 - 2 * (h_rows >= k).to(Y.dtype)).repeat(a)[:, None]
+        shifted = (h_rows % k).repeat(a)[:, None] + torch.arange(k, device=self.device)
+        index = shifted % k + (torch.arange(a, device=self.device) * k).repeat_interleave(rows)[:, None]
+        return torch.bincount(index.reshape(-1), Y.reshape(-1), minlength=a * k).view(a, k).double()
 
     def add(self, i: int, agents: Sequence[int], values: torch.Tensor, start: int = 0) -> None:
         self.state[self.cell_index[i], list(agents)] += self._project(i, values, start)
 
     def scatter(self, i: int, agents: torch.Tensor, coords: torch.Tensor, values: torch.Tensor) -> None:
-        index = agents.to(self.device) * (2 * self.k) + signed_buckets(self.coeffs[i], coords.to(self.device), self.k)
+        index = agents.to(self.device) * (2 * self.k) + self._signed_index(i, coords.to(self.device))
         signed = torch.zeros(self.n_agents * 2 * self.k, dtype=self.dtype, device=self.device)
         signed.index_add_(0, index, values.to(self.device, self.dtype))
         self.state[self.cell_index[i]] += self._fold(signed.view(self.n_agents, 2 * self.k))
+
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+        """TensorSketch: agent k's sketch of ``Σ_{t of k} G_t A_tᵀ`` is ``IFFT(Σ_t FFT(C_r G_t) · FFT(C_c A_t))``,
+        O(N (d_out + d_in + k log k)); no outer product is formed. Tokens go a chunk at a time."""
+        if not self.tensor[i]:  # a small matrix: its per-agent products, hashed coordinate by coordinate
+            present = agents.unique().tolist()
+            self.add(i, present, torch.stack([G[agents == k].T.to(self.dtype) @ A[agents == k].to(self.dtype)
+                                              for k in present]).flatten(1))
+            return
+        h_rows, h_cols = self._axis_hashes(i)
+        present = agents.unique()
+        spectrum = torch.zeros(len(present), self.k // 2 + 1, dtype=torch.complex128, device=self.device)
+        step = max(1, FFT_VALUES // self.k)
+        for lo in range(0, len(agents), step):
+            u = self._count_sketch(G[lo:lo + step], h_rows)       # (n, k)
+            v = self._count_sketch(A[lo:lo + step], h_cols)
+            product = torch.fft.rfft(u, dim=1) * torch.fft.rfft(v, dim=1)   # (n, k/2+1)
+            owner = (agents[lo:lo + step, None] == present[None, :]).to(product.dtype)
+            spectrum += owner.T @ product
+        self.state[self.cell_index[i], present] += torch.fft.irfft(spectrum, n=self.k, dim=1)
+
+    def _count_sketch(self, X: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+        """(n, k): the CountSketch of each row of X (n, d) under signed buckets (d,)."""
+        k = self.k
+        X = X.to(self.device, self.dtype) * (1 - 2 * (signed >= k).to(self.dtype))
+        return X.new_zeros(X.shape[0], k).scatter_add_(1, (signed % k).expand_as(X), X)
 
     def blocks(self, g: int) -> Iterator[torch.Tensor]:
         for c, (group, _) in enumerate(self.cells):
@@ -149,3 +251,19 @@ class SketchStore(Store):
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.state]
+
+
+def _tensor_hashed(p: torch.Tensor, k: int) -> bool:
+    """Whether ``p`` gets the tensor-structured hash: a matrix whose per-token products cost more than
+    sketching the token's two factors by FFT, ``d_out d_in > 4 (d_out + d_in + 5 k log₂ k)`` (full-width
+    weights; not LoRA factors, whose per-agent products are cheap to form and hash)."""
+    if p.dim() < 2:
+        return False
+    rows, cols = _matrix_shape(p)
+    return rows * cols > 4 * (rows + cols + 5 * k * max(1, k.bit_length() - 1))
+
+
+def _matrix_shape(p: torch.Tensor) -> tuple[int, int]:
+    """The (rows, columns) a parameter is hashed as: (shape[0], rest) for ≥ 2-D, (1, numel) otherwise."""
+    rows = p.shape[0] if p.dim() >= 2 else 1
+    return rows, p.numel() // max(rows, 1)

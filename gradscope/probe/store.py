@@ -93,6 +93,20 @@ class Store(ABC):
         """Add one agent's whole gradient of ``params[i]``."""
         self.add(i, [agent], grad.reshape(1, -1))
 
+    def small(self, i: int) -> bool:
+        """Whether ``params[i]``'s per-agent gradients are cheap to hand over whole (K × numel ≤ CHUNK);
+        larger weights go through :meth:`add_outer`."""
+        return self.n_agents * self.params[i].numel() <= CHUNK
+
+    @abstractmethod
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+        """Add the per-token outer products ``G_t A_tᵀ`` to agent ``agents[t]``'s gradient of the matrix
+        ``params[i]`` (d_out, d_in); agents (N,), G (N, d_out), A (N, d_in)."""
+
+    @abstractmethod
+    def local_copy(self) -> "Store":
+        """An empty store of the same kind over the same parameters, for this process only."""
+
     def sums(self) -> tuple[np.ndarray, np.ndarray]:
         """Local ``(Σ_kl M^g_kl, M^g_kk)`` per group, (G,) and (G, K), without the Gram's K² cost."""
         total = np.zeros(self.n_groups)
@@ -111,6 +125,10 @@ class Store(ABC):
         if self.group is not None:
             for buffer in self._buffers():
                 all_reduce_sum_(buffer, self.group)
+        return self.local_grams()
+
+    def local_grams(self) -> np.ndarray:
+        """``M^g = C_g C_gᵀ`` (G, K, K) float64 of this process's contributions (no collective)."""
         grams = np.zeros((self.n_groups, self.n_agents, self.n_agents))
         for g in range(self.n_groups):
             for block in self.blocks(g):
@@ -164,6 +182,26 @@ class FlatStore(Store):
         sl = self.group_slices[g]
         for start in range(sl.start, sl.stop, CHUNK):
             yield self.buffer[:, start:min(start + CHUNK, sl.stop)]
+
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+        """Per agent ``G_kᵀ A_k``, a block of output rows at a time (no (K, d_out, d_in) temporary)."""
+        d_in = A.shape[1]
+        present = agents.unique().tolist()
+        rows = [agents == k for k in present]
+        A_k = [A[r].to(self.dtype) for r in rows]
+        G_k = [G[r].to(self.dtype) for r in rows]
+        step = max(1, CHUNK // (len(present) * d_in))
+        for r0 in range(0, G.shape[1], step):
+            block = torch.stack([g[:, r0:r0 + step].T @ a for g, a in zip(G_k, A_k)])
+            self.add(i, present, block.flatten(1), r0 * d_in)
+
+    def local_copy(self) -> "FlatStore":
+        return FlatStore(self.params, self.group_index, self.n_groups, self.n_agents)
+
+    def param_gram(self, i: int) -> np.ndarray:
+        """(K, K) float64 Gram of the per-agent gradients of ``params[i]`` alone."""
+        flat = self.view(i).reshape(self.n_agents, -1).double()
+        return (flat @ flat.T).cpu().numpy()
 
     def norms_sq(self, grads: Iterable[tuple[int, torch.Tensor]]) -> np.ndarray:
         return squared_norms(grads, self.group_index, self.n_groups)

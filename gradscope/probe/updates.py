@@ -145,6 +145,7 @@ class SampleStore(Store):
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], group_index: Sequence[int],
                  n_groups: int, n_agents: int, sketch: Sketch, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, group_index, n_groups, n_agents, group)
+        self.names, self.sketch = list(names), sketch
         sizes = np.zeros(n_groups)
         for p, g in zip(self.params, self.group_index):
             sizes[g] += p.numel()
@@ -192,6 +193,27 @@ class SampleStore(Store):
             at = self.offsets[i]
             self.buffer[list(agents), at + lo:at + hi] += values[:, c[lo:hi] - start].to(self.device, self.dtype)
 
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+        """Agent k's ``Σ_{t of k} G_t A_tᵀ`` at the sampled coordinates only: O(tokens × sampled)."""
+        c = self._coords[i]
+        if not len(c):
+            return
+        rows, cols = c // A.shape[1], c % A.shape[1]
+        present = agents.unique().tolist()
+        step = max(1, CHUNK // len(c))
+        at = self.offsets[i]
+        for k in present:
+            G_k, A_k = G[agents == k], A[agents == k]
+            total = torch.zeros(len(c), dtype=self.dtype, device=self.device)
+            for lo in range(0, len(G_k), step):
+                g = G_k[lo:lo + step].to(self.device, self.dtype)
+                a = A_k[lo:lo + step].to(self.device, self.dtype)
+                total += (g[:, rows] * a[:, cols]).sum(0)
+            self.buffer[k, at:at + len(c)] += total
+
+    def local_copy(self) -> "SampleStore":
+        return SampleStore(self.params, self.names, self.group_index, self.n_groups, self.n_agents, self.sketch)
+
     def scatter(self, i: int, agents: torch.Tensor, coords: torch.Tensor, values: torch.Tensor) -> None:
         c = self._coords[i]
         if not len(c):
@@ -237,6 +259,16 @@ class TeeStore(Store):
     def scatter(self, i: int, agents: torch.Tensor, coords: torch.Tensor, values: torch.Tensor) -> None:
         self.first.scatter(i, agents, coords, values)
         self.second.scatter(i, agents, coords, values)
+
+    def small(self, i: int) -> bool:
+        return self.first.small(i)
+
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+        self.first.add_outer(i, agents, G, A)
+        self.second.add_outer(i, agents, G, A)
+
+    def local_copy(self) -> "TeeStore":
+        return TeeStore(self.first.local_copy(), self.second.local_copy())
 
     def blocks(self, g: int) -> Iterator[torch.Tensor]:
         return self.first.blocks(g)

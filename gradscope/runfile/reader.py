@@ -127,6 +127,8 @@ class RunReader:
                 self._check_datasets()
                 self._cache: dict[str, Any] = {}
                 self._counts = self._read_counts()
+                self._configured_method = self.meta.probe_method
+                self._derive_probe_method()
         except BaseException:
             self._f.close()
             raise
@@ -224,6 +226,8 @@ class RunReader:
         meta = self.meta
         fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names),
                                     len(meta.update_components))
+        fields = {name: f for name, f in fields.items()  # those of a later minor may be absent
+                  if name not in schema.OPTIONAL_STEP_FIELDS or f"{schema.STEPS}/{name}" in self._f}
         wanted = [f"{schema.STEPS}/{name}" for name in fields]
         wanted += [*schema.TABLES, schema.COMMITTED]
         found = {name: self._dataset(name) for name in wanted}
@@ -305,7 +309,13 @@ class RunReader:
                 ds.refresh()
             self._counts = self._read_counts(committed)
             self._cache.clear()
+            self._derive_probe_method()
         return self
+
+    def _derive_probe_method(self) -> None:
+        """``meta.probe_method`` names only the methods that measured the committed records."""
+        if self.has("method"):
+            self.meta.probe_method = schema.methods_that_ran(self._configured_method, self.read("method"))
 
     # --- counts and metadata -------------------------------------------------------------------
 
@@ -335,6 +345,10 @@ class RunReader:
         return bool(self._counts["closed"])
 
     # --- per-record arrays ---------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        """Whether the file has the per-record dataset ``/steps/<name>`` (optional ones came with a minor)."""
+        return name in self._step_ds
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Records ``[start, stop)`` of ``/steps/<name>``, clipped to the committed ones.
@@ -423,6 +437,16 @@ class RunReader:
     def tokens(self) -> np.ndarray:
         """(N, K) int64 tokens per agent."""
         return self._cached("tokens")
+
+    @property
+    def method(self) -> np.ndarray:
+        """(N,) object array: what measured each record's Gram (a name of
+        :data:`~gradscope.runfile.schema.PROBE_METHODS`), None where not recorded (and in 1.0 files)."""
+        if not self.has("method"):
+            return np.full(self.n_steps, None, dtype=object)
+        names = np.array([*schema.PROBE_METHODS, None], dtype=object)
+        codes = self._cached("method").astype(np.int64)
+        return names[np.where((codes >= 0) & (codes < len(schema.PROBE_METHODS)), codes, len(schema.PROBE_METHODS))]
 
     @property
     def scalars(self) -> pd.DataFrame:

@@ -23,7 +23,7 @@ from gradscope.stats import UPDATE_EXTRAS
 
 #: ``MAJOR.MINOR``. Minor bumps are additive (new optional fields); a reader accepts any minor of
 #: a major it knows and refuses a newer major.
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = 1
 FORMAT = "gradscope-run"
 
@@ -73,10 +73,25 @@ LONG_TABLES = (EVALS, METRICS)
 #: Value of ``/steps/policy`` for a record not tagged with a policy.
 NO_POLICY = -1
 
+#: ``/steps/method`` (since 1.1): what measured the record's Gram, as an index into this tuple
+#: (docs/format.md and docs/probe.md explain each). Codes are only ever appended.
+PROBE_METHODS = (
+    "hooks",                             # 0: every call attributed by rows in one backward
+    "hooks+check",                       # 1: as 0, and the self-check against split agreed
+    "split",                             # 2: the probe's method is split
+    "split-fallback:per-agent-losses",   # 3: a backward({agent: loss}) call (no row information)
+    "split-fallback:mixed-rows",         # 4: a row holds tokens of several agents
+    "split-fallback:untagged-forwards",  # 5: several untagged forwards: rows cannot be matched
+    "split-fallback:unmatched-rows",     # 6: a hooked layer's input has no dimension of the batch size
+    "split-fallback:check-failed",       # 7: hooks disagreed with split (method "auto"): split from then on
+)
+#: ``/steps/method`` of a record logged without one (and of every record of a 1.0 file).
+METHOD_UNRECORDED = -1
+
 
 #: What update attribution splits each optimizer step into (``RunMeta.update_unit``); "" = not recorded.
 UPDATE_UNITS = ("", "role", "agent")
-#: The per-record datasets of update attribution (schema 1.1), present when ``update_unit`` is set.
+#: The per-record datasets of update attribution (since 1.2), present when ``update_unit`` is set.
 UPDATE_FIELDS = ("update_gram", "update_interference", "update_grad_scale", "update_residual")
 
 
@@ -99,6 +114,7 @@ def step_fields(n_agents: int, n_groups: int, n_scalars: int,
     }
     if G:
         fields["group_gram"] = ((G, K, K), np.dtype("<f8"))
+    fields["method"] = ((), np.dtype("<i1"))
     if C:
         fields["update_gram"] = ((C, C), np.dtype("<f8"))
         fields["update_interference"] = ((C, K), np.dtype("<f8"))
@@ -109,6 +125,8 @@ def step_fields(n_agents: int, n_groups: int, n_scalars: int,
 
 #: Datasets every run file must have (``group_gram`` is required only when groups are declared).
 REQUIRED_STEP_FIELDS = ("step", "opt_step", "policy", "time", "gram", "tokens", "scalars")
+#: Per-record datasets added by a minor version: a file of an older minor lacks them.
+OPTIONAL_STEP_FIELDS = ("method",)
 
 #: One-line descriptions, stored as each dataset's ``description`` attribute.
 DESCRIPTIONS = {
@@ -120,6 +138,7 @@ DESCRIPTIONS = {
     "tokens": "number of tokens behind each agent's gradient term",
     "scalars": "scalar metrics, columns named by the attribute 'names'; NaN = not logged",
     "group_gram": "per-parameter-group Gram matrices (NaN = not logged); groups in attribute 'groups'",
+    "method": "what measured the record's Gram: index into the attribute 'codes' (-1 = not recorded)",
     "update_gram": "U[a,b] = <dθ_a, dθ_b>, the optimizer step's components (attribute 'components'); NaN = not logged",
     "update_interference": "I[a,l] = <dθ_a, g_l>, component a against agent l's gradient; NaN = not logged",
     "update_grad_scale": "factor between the probed gradient and the one the optimizer used (clipping); NaN = not logged",
@@ -152,7 +171,9 @@ class RunMeta:
         group_sizes: number of parameters (numel) per group, same length as ``groups``.
         config: free-form run configuration, must be JSON-serialisable.
         seed: the run's random seed, if any.
-        probe_method: how the Gram matrix was measured (e.g. ``"split"`` or ``"hooks"``).
+        probe_method: how the Gram matrix is measured (e.g. ``"split"`` or ``"hooks"``, then
+            ``+sketch(..)``, ``+ranks(N)``). In a file with ``/steps/method`` the reader replaces the
+            method part by the methods that measured the committed records (:func:`methods_that_ran`).
         versions: library versions; filled for gradscope/torch/transformers/peft/h5py/hdf5/
             numpy/python by :meth:`with_defaults`, explicit entries win.
         created: ISO-8601 creation time; filled by :meth:`with_defaults`.
@@ -282,6 +303,19 @@ class RunMeta:
             else:
                 kwargs[f.name] = int(value)
         return cls(**kwargs)
+
+
+def methods_that_ran(configured: str, codes: np.ndarray) -> str:
+    """``probe_method`` naming only what ran: the base methods (``hooks`` / ``split``) of the records'
+    ``/steps/method`` codes, in order of first use, joined by ``,``, then the configured suffixes
+    (``+sketch(..)``, ``+ranks(N)``). Records without a code (-1) name nothing; when no record has
+    one (a writer that does not record methods), ``configured`` is returned as it is."""
+    if not (np.asarray(codes) >= 0).any():
+        return configured
+    suffix = configured[len(configured.split("+", 1)[0]):] if configured else ""
+    ran = [PROBE_METHODS[c].split(":")[0].split("+")[0].replace("split-fallback", "split")
+           for c in dict.fromkeys(int(c) for c in codes) if 0 <= c < len(PROBE_METHODS)]
+    return ",".join(dict.fromkeys(ran)) + suffix
 
 
 def _json_default(obj: Any) -> Any:

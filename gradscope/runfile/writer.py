@@ -173,6 +173,7 @@ class RunWriter:
         self._b_time, self._b_gram, self._b_tokens = self._buf["time"], self._buf["gram"], self._buf["tokens"]
         self._b_scalars = self._buf["scalars"]
         self._b_group = self._buf.get("group_gram")
+        self._b_method = self._buf["method"]
         self._b_update = [self._buf[name] for name in schema.UPDATE_FIELDS] if self._components else None
 
     # --- creation ------------------------------------------------------------------------------
@@ -202,6 +203,7 @@ class RunWriter:
             self._ds["update_gram"].attrs["components"] = components
             self._ds["update_interference"].attrs["components"] = components
         self._ds["time"].attrs["units"] = "s"
+        self._ds["method"].attrs["codes"] = json.dumps(list(schema.PROBE_METHODS))
         for name, (dtype, _) in schema.TABLES.items():
             ds = f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype,
                                   chunks=(_chunk_rows(dtype.itemsize),))
@@ -221,7 +223,8 @@ class RunWriter:
 
     def log_step(self, step: int, gram: Any, tokens: Any, *, opt_step: int | None = None,
                  policy: str | None = None, group_gram: Any = None,
-                 scalars: Mapping[str, float] | None = None, update: Any = None) -> None:
+                 scalars: Mapping[str, float] | None = None, method: str | None = None,
+                 update: Any = None) -> None:
         """Buffer one record (one optimizer step); flushes every ``flush_every`` records.
 
         Args:
@@ -232,6 +235,8 @@ class RunWriter:
             policy: name of the policy (parameter set) stepped, one of ``meta.policies``.
             group_gram: (G, K, K) per-group Grams; only when groups were declared (else NaN).
             scalars: values of declared scalar metrics; the others are NaN for this record.
+            method: what measured the Gram (``StepResult.method``), one of
+                :data:`~gradscope.runfile.schema.PROBE_METHODS`; None: not recorded.
             update: the optimizer step's update attribution: a
                 :class:`gradscope.probe.updates.UpdateResult`, or any object with ``gram`` (C, C),
                 ``interference`` (C, K), ``grad_scale`` and ``residual`` (and optionally
@@ -239,7 +244,8 @@ class RunWriter:
                 ``meta.update_unit`` is set; None: NaN for this record.
 
         Raises:
-            ValueError: a shape, a policy, a scalar name or update components do not match the metadata.
+            ValueError: a shape, a policy, a scalar name, a method or update components do not match
+                the metadata.
         """
         if self._closed:
             raise ValueError(f"{self.path}: log_step on a closed RunWriter")
@@ -272,6 +278,11 @@ class RunWriter:
             gg = _as_array(group_gram, np.float64, "group_gram")
             if gg.shape != (self._G, K, K):
                 raise ValueError(f"group_gram must have shape ({self._G}, {K}, {K}), got {gg.shape}")
+        code = schema.METHOD_UNRECORDED
+        if method is not None:
+            if method not in schema.PROBE_METHODS:
+                raise ValueError(f"unknown probe method {method!r}; known: {list(schema.PROBE_METHODS)}")
+            code = schema.PROBE_METHODS.index(method)
         upd = None if update is None else self._update_values(update)
         cols: Any = None
         vals: Any = None
@@ -286,6 +297,7 @@ class RunWriter:
         self._b_time[i] = time.perf_counter() - self._t0
         self._b_gram[i] = g
         self._b_tokens[i] = t
+        self._b_method[i] = code
         row = self._b_scalars[i]
         if cols is None or len(vals) < len(row):
             row.fill(np.nan)
@@ -553,7 +565,7 @@ class RunWriter:
             if not m:
                 continue
             for name in self._fields:
-                rows = old.read(name, lo, hi)
+                rows = old.read(name, lo, hi) if old.has(name) else np.full(hi - lo, schema.METHOD_UNRECORDED)
                 if m < len(rows):
                     rows = rows[mask]
                 self._append[name].write(kept, rows)

@@ -52,7 +52,7 @@ def run_case(case: tuple[str, str, str, Sketch | None], micro_batches: list[list
     try:
         with probe.step(0) as s:
             for forward in calls:
-                s.backward_tokens(*forward())
+                s.backward_tokens(*(forward(s) if getattr(forward, "tags", False) else forward()))
     finally:
         probe.close()
     params = [p for _, p in _probed(model, probe)]

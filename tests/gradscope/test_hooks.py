@@ -1,6 +1,8 @@
 """The hooks probe (one backward, layer hooks) against split and brute force (autograd per agent)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 import torch
@@ -20,14 +22,15 @@ DTYPES = [torch.float32, torch.float64]
 GHOST = {"dense": 0.0, "switch": 15.0, "ghost": 1e9}
 
 
-def run(model, method, calls, groups=None):
-    """One probed step: each call runs a forward and returns (token_loss, agent_ids) for backward_tokens."""
+def run(model, method, calls, groups=None, **kw):
+    """One probed step: each call runs its forward(s) (tagged with the step's rows where it tags them)
+    and returns (token_loss, agent_ids) for backward_tokens."""
     model.zero_grad(set_to_none=True)
-    probe = Probe(model, AGENTS, ROLES, method=method, groups=groups)
+    probe = Probe(model, AGENTS, ROLES, method=method, groups=groups, **kw)
     try:
         with probe.step(0) as s:
             for call in calls:
-                s.backward_tokens(*call())
+                s.backward_tokens(*(call(s) if getattr(call, "tags", False) else call()))
     finally:
         probe.close()
     return s.result, probe
@@ -71,9 +74,11 @@ class LMCase:
         lp = torch.log_softmax(logits, dim=-1).gather(-1, self.ids[rows, 1:, None])[..., 0]
         return lp * self.mask[rows, 1:]
 
-    def call(self, rows):
-        """A micro-batch of rows: one forward (SP) or one forward per role, concatenated in call order (IP)."""
-        def forward():
+    def call(self, rows, reverse: bool = False):
+        """A micro-batch of rows: one forward (SP) or one forward per role (IP), each tagged with its
+        rows' agents (``s.rows``) when a step handle is given; the roles' token losses are concatenated
+        in call order, or in the reverse order (``reverse``: tags make that irrelevant)."""
+        def forward(s=None):
             if self.policy == "sp":
                 lp = self.logprobs(rows)
                 order = rows
@@ -82,11 +87,15 @@ class LMCase:
                 parts = []
                 for adapter, part in (("voter", voters), ("aggregator", aggs)):
                     if part:
-                        with use_adapter(self.model, adapter):
-                            parts.append(self.logprobs(part))
-                lp, order = torch.cat(parts), voters + aggs
+                        tag = s.rows(self.ROW_AGENT[part]) if s is not None else nullcontext()
+                        with use_adapter(self.model, adapter), tag:
+                            parts.append((self.logprobs(part), part))
+                if reverse:
+                    parts.reverse()
+                lp, order = torch.cat([p for p, _ in parts]), [r for _, part in parts for r in part]
             ids = self.agent_ids[order]
             return -self.adv[order] * lp * (ids >= 0) / self.n_total, ids
+        forward.tags = True
         return forward
 
 

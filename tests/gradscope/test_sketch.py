@@ -20,6 +20,8 @@ from torch.utils._pytree import tree_flatten
 from gradscope.errors import ProbeError
 from gradscope.probe import Probe
 from gradscope.probe.hooks import HooksMethod
+from gradscope.probe.method import token_terms
+from gradscope.probe.probe import _row_agents
 from gradscope.probe.sketch import PRIME, Sketch, SketchStore, hash_coefficients, signed_buckets
 from gradscope.probe.store import FlatStore
 from tests.gradscope.test_hooks import Leaky, LMCase, grads, lora_model, run
@@ -27,6 +29,7 @@ from tests.gradscope.test_probe import AGENTS, ROLES, rel_err
 
 K_SKETCH = 64
 SEEDS = 1000
+TS_SEEDS = 500  # tensor-hashed cases build a store per seed
 
 
 def test_hash_matches_exact_integer_arithmetic():
@@ -113,7 +116,7 @@ def test_a_probe_on_a_lora_model_is_within_the_bound_too():
         model.zero_grad(set_to_none=True)
         probe = Probe(model, AGENTS, ROLES, method="hooks", sketch=Sketch(K_SKETCH, seed))
         with probe.step(0) as s:
-            s.backward_tokens(*call())
+            s.backward_tokens(*call(s))
         probe.close()
         d = np.diag(s.result.gram)
         z.append((s.result.gram / np.sqrt(np.outer(d, d)) - cos) / bound)
@@ -180,7 +183,7 @@ def test_split_and_hooks_sketch_alike_and_grad_is_unchanged():
         probe = Probe(model, AGENTS, ROLES, method=method, sketch=Sketch(32, seed=5), groups="layer")
         with probe.step(0) as s:
             for call in calls:
-                s.backward_tokens(*call())
+                s.backward_tokens(*call(s))
         probe.close()
         results[method] = s.result
         assert probe.measurement == f"{method}+sketch(k=32,seed=5)"
@@ -197,6 +200,12 @@ def test_split_and_hooks_sketch_alike_and_grad_is_unchanged():
     assert abs(results["hooks"].gram[0, 1]) > 0
 
 
+def backward_tokens(method, token_loss, agent_ids):
+    """What ``ProbeStep.backward_tokens`` hands a method, without a Probe around it."""
+    present = sorted(set(agent_ids[agent_ids >= 0].tolist()))
+    method.backward_rows(token_loss, _row_agents(agent_ids), lambda: token_terms(token_loss, agent_ids, present), False)
+
+
 def _leaky():
     torch.manual_seed(0)
     return Leaky()
@@ -209,16 +218,16 @@ def test_add_up_check_with_a_store(store):
     params = list(model.parameters())
     made = (SketchStore(params, ["w", "b"], [0, 0], 1, 4, Sketch(16)) if store == "sketch"
             else FlatStore(params, [0, 0], 1, 4))
-    method = HooksMethod(params, [0, 0], 1, 4, model=model, store=made)
+    method = HooksMethod(params, [0, 0], 1, 4, model=model, store=made, check_every=None)  # the add-up check alone
     x = torch.randn(4, 3, 4)
     ids = torch.arange(4)[:, None].expand(4, 3)
     method.begin()
-    method.backward_tokens(model(x).sum(-1), ids, [0, 1, 2, 3], False)
+    backward_tokens(method, model(x).sum(-1), ids)
     with pytest.raises(ProbeError, match="do not add up"):
         method.end()
     model.forward = lambda x: model.lin(x)  # the honest model passes
     method.begin()
-    method.backward_tokens(model(x).sum(-1), ids, [0, 1, 2, 3], False)
+    backward_tokens(method, model(x).sum(-1), ids)
     assert method.end()[0, 0, 0] > 0
     method.close()
 
@@ -242,6 +251,7 @@ def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, mo
     coordinates at a time; forcing tiny blocks and chunks must give the same Gram."""
     from gradscope.probe import hooks as hooks_module
     from gradscope.probe import sketch as sketch_module
+    from gradscope.probe import store as store_module
 
     model = _deep_mlp(32)
     params = list(model.parameters())
@@ -251,18 +261,110 @@ def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, mo
 
     def gram(blocked: bool) -> np.ndarray:
         if blocked:
-            monkeypatch.setattr(hooks_module, "PER_ROW_LIMIT", 0)
-            monkeypatch.setattr(hooks_module, "CHUNK", 100)   # one output row per block
-            monkeypatch.setattr(sketch_module, "CHUNK", 100)  # hashed 100 coordinates at a time
+            monkeypatch.setattr(hooks_module, "PER_ROW_LIMIT", 0)  # products by Store.add_outer
+            monkeypatch.setattr(sketch_module, "CHUNK", 100)       # hashed 100 coordinates at a time
+            if store == "flat":
+                monkeypatch.setattr(store_module, "CHUNK", 100)    # one output row per block
         made = (SketchStore(params, names, [0] * len(params), 1, 4, Sketch(16, seed=2)) if store == "sketch"
                 else FlatStore(params, [0] * len(params), 1, 4))
         method = HooksMethod(params, [0] * len(params), 1, 4, model=model, store=made)
         model.zero_grad(set_to_none=True)
         method.begin()
-        method.backward_tokens(model(x).square().mean(1, keepdim=True) * (agent_ids >= 0), agent_ids, [0, 1, 2, 3], False)
+        backward_tokens(method, model(x).square().mean(1, keepdim=True) * (agent_ids >= 0), agent_ids)
         out = method.end()
         method.close()
         monkeypatch.undo()
         return out
 
     assert rel_err(gram(True), gram(False)) < 1e-6
+
+
+# ---------------------------------------------------------------- TensorSketch (large matrices)
+def _tensor_store(monkeypatch, shapes, k, seed, n_agents=4):
+    """A SketchStore whose matrices are tensor-hashed (as weights too large to hand over whole are)."""
+    from gradscope.probe import sketch as sketch_module
+
+    params = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    with monkeypatch.context() as m:
+        m.setattr(sketch_module, "_tensor_hashed", lambda p, k: p.dim() >= 2)  # every matrix counts as large
+        store = SketchStore(params, [f"p{i}.weight" for i in range(len(params))], [0] * len(params), 1,
+                            n_agents, Sketch(k, seed))
+    assert all(store.tensor[i] == (len(s) == 2) for i, s in enumerate(shapes))
+    store.zero()
+    return store
+
+
+def test_tensor_sketch_of_token_products_equals_the_sketch_of_their_sum(monkeypatch):
+    """add_outer (FFT convolution of two CountSketches, per token) is the same linear map as hashing the
+    materialised per-agent products coordinate by coordinate (add), and as scatter."""
+    from gradscope.probe import sketch as sketch_module
+
+    g = torch.Generator().manual_seed(0)
+    N, d_out, d_in = 50, 7, 11
+    G, A = torch.randn(N, d_out, generator=g, dtype=torch.float64), torch.randn(N, d_in, generator=g, dtype=torch.float64)
+    agents = torch.randint(0, 4, (N,), generator=g)
+    fft = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
+    monkeypatch.setattr(sketch_module, "FFT_VALUES", 32 * 3)  # three tokens per FFT chunk
+    fft.add_outer(0, agents, G, A)
+    dense = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
+    present = agents.unique().tolist()
+    dense.add(0, present, torch.stack([G[agents == k].T @ A[agents == k] for k in present]).flatten(1))
+    scattered = _tensor_store(monkeypatch, [(d_out, d_in)], 32, 3)
+    products = G[:, :, None] * A[:, None, :]  # (N, d_out, d_in)
+    coords = torch.arange(d_out * d_in).repeat(N)
+    scattered.scatter(0, agents.repeat_interleave(d_out * d_in), coords, products.reshape(-1))
+    torch.testing.assert_close(fft.state, dense.state, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(scattered.state, dense.state, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("structure", ["rank-one", "many tokens"])
+def test_tensor_hashed_errors_within_their_bound_across_seeds(monkeypatch, structure):
+    """Tensor-structured hashing is unbiased with Var M̂_kl ≤ 3 (M_kk M_ll + M_kl²) / k (docs/probe.md).
+    Rank-one per-agent matrices need the factor 3 (their variance exceeds the CountSketch bound);
+    a matrix summed from many unrelated tokens stays near the CountSketch bound."""
+    g = torch.Generator().manual_seed(1)
+    d_out, d_in, n_tokens = 24, 40, (1 if structure == "rank-one" else 60)
+    shared_g, shared_a = torch.randn(d_out, generator=g, dtype=torch.float64), torch.randn(d_in, generator=g, dtype=torch.float64)
+    mats = []
+    for k, (wg, wa) in enumerate([(1.0, 1.0), (0.8, 0.3), (-0.4, 1.0), (0.0, 0.0)]):
+        toks_g = wg * shared_g + torch.randn(n_tokens, d_out, generator=g, dtype=torch.float64) * (0.5 + k / 4)
+        toks_a = wa * shared_a + torch.randn(n_tokens, d_in, generator=g, dtype=torch.float64)
+        mats.append((toks_g, toks_a))
+    V = torch.stack([(G.T @ A).reshape(-1) for G, A in mats])
+    M = (V @ V.T).numpy()
+    est = []
+    for seed in range(TS_SEEDS):
+        store = _tensor_store(monkeypatch, [(d_out, d_in)], K_SKETCH, seed)
+        for k, (G, A) in enumerate(mats):
+            store.add_outer(0, torch.full((len(G),), k), G, A)
+        est.append(store.grams()[0])
+    err = np.stack(est) - M
+    d = np.diag(M)
+    cs_bound = (np.outer(d, d) + M ** 2) / K_SKETCH
+    iu = np.triu_indices(len(M))
+    z = err[:, iu[0], iu[1]] / np.sqrt(3 * cs_bound[iu])
+    assert np.all(np.mean(z ** 2, axis=0) <= 1.3)            # within the documented bound
+    assert np.all(np.abs(z.mean(0)) <= 4 / np.sqrt(TS_SEEDS))   # unbiased
+    assert np.mean(np.abs(z) > 3) <= 1 / 9                   # Chebyshev at 3 sd
+    # agent 3's norm against the CountSketch bound: its 60 tokens are independent noise
+    cs_ratio = np.mean(err[:, 3, 3] ** 2) / cs_bound[3, 3]
+    assert cs_ratio > 1.8 if structure == "rank-one" else cs_ratio < 1.3
+
+
+def test_full_width_weights_hooks_tensorsketch_equals_split():
+    """Full-width weights are tensor-hashed: hooks sketches each token's product by FFT, split hashes the
+    dense gradient; same linear map, same Gram to rounding, and .grad as a plain step."""
+    model = _deep_mlp(96)
+    x = torch.randn(8, 3, 96, generator=torch.Generator().manual_seed(4))
+    agent_ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])[:, None].expand(8, 3)
+    results = {}
+    for method in ("hooks", "split"):
+        model.zero_grad(set_to_none=True)
+        probe = Probe(model, AGENTS, ROLES, method=method, sketch=Sketch(64, seed=1))
+        with probe.step(0) as s:
+            s.backward_tokens(model(x).square().mean(-1), agent_ids)
+        probe.close()
+        assert any(probe._method.store.tensor)
+        results[method] = s.result
+    assert results["hooks"].method == "hooks+check"
+    assert rel_err(results["hooks"].gram, results["split"].gram) < 1e-5

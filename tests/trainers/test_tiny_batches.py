@@ -81,3 +81,29 @@ def test_zero_and_cancelling_advantages_train(tmp_path, monkeypatch, workflow, t
     assert signal > 0
     assert cancelling.scalars["grad_norm"].max() < 1e-4 * signal
     assert np.sqrt(np.abs(cancelling.gram).max()) < 1e-4 * signal
+
+
+def test_recorded_method_is_the_one_that_ran(tmp_path, monkeypatch):
+    """The trainer's records say hooks (the first one self-checked); a forced fallback is recorded as
+    split with its reason, a warning event says why, and probe_method names only split."""
+    from gradscope.probe import hooks
+
+    cfg = tiny(tmp_path, "voting", "math", 2, 2)
+    Trainer(cfg).run()
+    with open_run(cfg.out) as run:
+        assert run.method[0] == "hooks+check" and set(run.method[1:]) == {"hooks"}
+        assert run.meta.probe_method == "hooks" and "probe" not in set(run.events["kind"])
+
+    def unmatched(self, live, row_agents):
+        raise hooks._Fallback("unmatched-rows", "forced by the test")
+    monkeypatch.setattr(hooks.HooksMethod, "_match", unmatched)
+    cfg = tiny(tmp_path, "voting", "math", 2, 2)
+    cfg.out = str(tmp_path / "forced.h5")
+    with pytest.warns(RuntimeWarning, match="forced by the test"):
+        Trainer(cfg).run()
+    with open_run(cfg.out) as run:
+        assert set(run.method) == {"split-fallback:unmatched-rows"}
+        assert run.meta.probe_method == "split"
+        probe_events = run.events[run.events["kind"] == "probe"]
+        assert len(probe_events) and probe_events["message"].str.contains("forced by the test").all()
+        assert_total_matches_grad_norm(run)

@@ -1,0 +1,304 @@
+"""Which row is whose: explicit row tags, the batch dimension of each layer, the self-check against
+split, per-row and scalar losses, and the method each record says measured it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from gradscope.errors import ProbeError
+from gradscope.probe import Probe
+from tests.gradscope.test_hooks import LMCase, brute, lora_model, lora_params, run
+from tests.gradscope.test_probe import AGENTS, ROLES, brute_force_gram, rel_err
+
+ROW_AGENT = torch.tensor([0, 1, 2, 3])
+
+
+# ---------------------------------------------------------------- sequence-first inputs
+def seq_first_case(T: int, B: int = 4):
+    """A sequence-first encoder layer (input (T, B, d)); its feed-forward Linears are probed."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=False).double()
+    params = [(n, p) for n, p in layer.named_parameters() if n.startswith("linear")]
+    for n, p in layer.named_parameters():
+        p.requires_grad_(n.startswith("linear"))
+    x = torch.randn(T, B, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    adv = torch.tensor([1.0, -0.5, 0.8, 0.3], dtype=torch.float64)[:B, None]
+
+    def forward():
+        out = layer(x)                                  # (T, B, 8)
+        return adv * out.square().sum(-1).T / 10        # (B, T) per-token loss of row b
+    agent_ids = ROW_AGENT[:B, None].expand(B, T)
+    loss = forward()
+    terms = {a: loss[agent_ids == k].sum() for k, a in enumerate(AGENTS)}
+    return layer, params, forward, agent_ids, brute_force_gram(terms, [p for _, p in params])
+
+
+def probed_step(layer, params, forward, agent_ids, tag=None, **kw):
+    layer.zero_grad(set_to_none=True)
+    probe = Probe(layer, AGENTS, ROLES, params=params, **kw)
+    try:
+        with probe.step(0) as s:
+            if tag is None:
+                loss = forward()
+            else:
+                with s.rows(agent_ids[:, 0], batch_dim=tag):
+                    loss = forward()
+            s.backward_tokens(loss, agent_ids)
+    finally:
+        probe.close()
+    return s.result
+
+
+def test_seq_first_with_t_equal_b_is_caught_by_the_self_check():
+    """T == B: dimension 0 (time) has the batch size too. auto: the self-check finds the wrong attribution,
+    the record takes split's (right) Gram and says so; hooks: a clear error naming the layer and the cause."""
+    layer, params, forward, agent_ids, expected = seq_first_case(T=4)
+    with pytest.warns(RuntimeWarning, match="sequence-first"):
+        auto = probed_step(layer, params, forward, agent_ids)
+    assert auto.method == "split-fallback:check-failed" and rel_err(auto.gram, expected) < 1e-10
+    assert any("linear" in w and "batch_dim" in w for w in auto.warnings)
+    with pytest.raises(ProbeError, match=r"layer 'linear[12]'.*batch_dim"):
+        probed_step(layer, params, forward, agent_ids, method="hooks")
+    with pytest.raises(ProbeError, match="cannot tell the batch dimension of layer 'linear1'"):
+        probed_step(layer, params, forward, agent_ids, method="hooks", check_every=None)
+
+
+@pytest.mark.parametrize("T,tag", [(4, 1), (5, None), (5, 1)])
+def test_seq_first_is_attributed_by_its_batch_dimension(T, tag):
+    """Declared (batch_dim=1), or the only dimension of size B: hooks gets it right, and the check agrees."""
+    layer, params, forward, agent_ids, expected = seq_first_case(T=T)
+    result = probed_step(layer, params, forward, agent_ids, tag=tag, method="hooks")
+    assert result.method == "hooks+check" and not result.warnings
+    assert rel_err(result.gram, expected) < 1e-10
+
+
+# ---------------------------------------------------------------- several forwards, any order
+@pytest.mark.parametrize("reverse", [False, True])
+def test_tagged_forwards_match_rows_whatever_the_concatenation_order(reverse):
+    """One forward per role (IP), the roles' losses concatenated in call order or reversed: with row tags
+    hooks attributes every row right, with no fallback."""
+    model = lora_model("ip", torch.float32)
+    case = LMCase(model, "ip")
+    call = case.call(list(range(8)), reverse=reverse)
+    expected = brute([call], lora_params(model))
+    result, probe = run(model, "hooks", [call])
+    assert probe._method.fallback_calls == 0 and result.method == "hooks+check"
+    assert rel_err(result.gram, expected) < 1e-5
+
+
+def test_untagged_forwards_fall_back_naming_the_cause():
+    """Two untagged forwards, losses in reverse order: hooks cannot know which rows are whose without
+    trusting call order; the call goes through split (right Gram) and the record and warning say why."""
+    model = lora_model("ip", torch.float32)
+    case = LMCase(model, "ip")
+    tagged = case.call(list(range(8)), reverse=True)
+
+    def untagged():
+        return tagged(None)
+    expected = brute([tagged], lora_params(model))
+    with pytest.warns(RuntimeWarning, match="without row tags"):
+        result, probe = run(model, "auto", [untagged])
+    assert result.method == "split-fallback:untagged-forwards" and probe._method.fallback_calls == 1
+    assert any("s.rows" in w for w in result.warnings)
+    assert rel_err(result.gram, expected) < 1e-5
+
+
+def test_an_unowned_row_with_wrong_tags_is_blamed_on_the_tags():
+    """Forwards tagged in the wrong order, one row of no agent: its loss lands on a row tagged -1. The
+    error names the tags, not 'a weight used outside its layer'."""
+    model = lora_model("ip", torch.float32)
+    case = LMCase(model, "ip")
+    case.agent_ids[7] = -1  # the second aggregator row has no agent
+    rows = list(range(8))
+
+    def call(s):  # voters then aggregator, but the tags say aggregator rows first
+        voters, aggs = rows[:6], rows[6:]
+        tags = [case.ROW_AGENT[aggs].clone(), case.ROW_AGENT[voters]]
+        tags[0][1] = -1
+        parts = []
+        for part, tag in ((voters, tags[1].flip(0)), (aggs, tags[0].flip(0))):
+            with s.rows(tag):
+                parts.append(case.logprobs(part))
+        lp = torch.cat(parts)
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    call.tags = True
+    with pytest.raises(ProbeError, match="rows tagged with no agent .* tags do not match"):
+        run(model, "hooks", [call], check_every=None)
+
+
+# ---------------------------------------------------------------- the self-check
+class RowMixer(nn.Module):
+    """Two Linears; the second sees the batch rows rolled by one: its rows are not the loss's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(6, 6).double(), nn.Linear(6, 3).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        return self.second(h.roll(1, dims=0)).roll(-1, dims=0)
+
+
+def test_self_check_catches_a_misattributed_layer_and_names_it():
+    model = RowMixer()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ids = ROW_AGENT[:, None]
+
+    def loss():
+        return model(x).square().sum(1, keepdim=True) * torch.tensor([[1.0], [-2.0], [0.5], [1.5]], dtype=torch.float64)
+    terms = {a: loss()[ids == k].sum() for k, a in enumerate(AGENTS)}
+    expected = brute_force_gram(terms, list(model.parameters()))
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match="self-check.*layer 'second'"):
+        with probe.step(0) as s:
+            s.backward_tokens(loss(), ids)
+    probe = Probe(model, AGENTS, ROLES)  # auto: split's Gram for this record and every later one
+    methods = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with pytest.warns(RuntimeWarning) if step == 0 else _no_warning(), probe.step(step) as s:
+            s.backward_tokens(loss(), ids)
+        methods.append(s.result.method)
+        assert rel_err(s.result.gram, expected) < 1e-10
+    assert methods == ["split-fallback:check-failed"] * 2
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_check_schedule():
+    """check_every: 0 → the first checkable step only; 2 → every second probed step; None → never. A step
+    with only a scalar loss cannot be checked: the check waits for the next one."""
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+
+    def methods(check_every, scalar_first=False):
+        probe = Probe(model, AGENTS, ROLES, check_every=check_every)
+        out = []
+        for step in range(4):
+            model.zero_grad(set_to_none=True)
+            with probe.step(step) as s:
+                loss, ids = call(s)
+                if scalar_first and step == 0:
+                    s.backward_rows(loss.sum(), ids.max(1).values)
+                else:
+                    s.backward_tokens(loss, ids)
+            out.append(s.result.method)
+        probe.close()
+        return out
+    assert methods(0) == ["hooks+check", "hooks", "hooks", "hooks"]
+    assert methods(2) == ["hooks+check", "hooks", "hooks+check", "hooks"]
+    assert methods(None) == ["hooks"] * 4
+    assert methods(0, scalar_first=True) == ["hooks", "hooks+check", "hooks", "hooks"]
+
+
+# ---------------------------------------------------------------- per-row and scalar losses
+@pytest.mark.parametrize("method", ["hooks", "split"])
+def test_backward_rows_per_row_losses(method):
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+    expected = brute([call], lora_params(model))
+    model.zero_grad(set_to_none=True)
+    probe = Probe(model, AGENTS, ROLES, method=method)
+    with probe.step(0) as s:
+        token_loss, ids = call(s)
+        row_agent = ids.max(1).values
+        s.backward_rows(token_loss.sum(1), row_agent, tokens=(ids >= 0).sum(1))
+    assert rel_err(s.result.gram, expected) < 1e-5
+    assert s.result.tokens.tolist() == [int((case.agent_ids == k).sum()) for k in range(4)]
+    assert s.result.method == ("hooks+check" if method == "hooks" else "split")
+
+
+def test_scalar_loss_with_row_agents():
+    """A framework's loss (a mean over rows) with the agent of each row: hooks attributes it by rows;
+    split cannot split a scalar and says so; so does hooks when it cannot match the rows."""
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+    expected = brute([call], lora_params(model)) / 64  # a mean over 8 rows is the sum / 8
+    for method in ("hooks", "split"):
+        model.zero_grad(set_to_none=True)
+        probe = Probe(model, AGENTS, ROLES, method=method)
+        with probe.step(0) as s:
+            token_loss, ids = call(s)
+            scalar = token_loss.sum(1).mean()
+            if method == "split":
+                with pytest.raises(ProbeError, match="cannot split a scalar loss"):
+                    s.backward_rows(scalar, ids.max(1).values)
+                continue
+            s.backward_rows(scalar, ids.max(1).values)
+        assert s.result.method == "hooks" and rel_err(s.result.gram, expected) < 1e-5
+        probe.close()
+    ip = lora_model("ip", torch.float32)
+    ip_case = LMCase(ip, "ip")
+    probe = Probe(ip, AGENTS, ROLES)
+    with pytest.raises(ProbeError, match="split cannot split a scalar loss"):
+        with probe.step(0) as s:
+            token_loss, ids = ip_case.call(list(range(8)))(None)  # two untagged forwards
+            s.backward_rows(token_loss.sum(), ids.max(1).values)
+
+
+def test_backward_rows_bad_input():
+    model = lora_model("sp", torch.float32)
+    probe = Probe(model, AGENTS, ROLES)
+    with probe.step(0) as s:
+        with pytest.raises(ProbeError, match="shape"):
+            s.backward_rows(torch.zeros(3, requires_grad=True), [0, 1])
+        with pytest.raises(ProbeError, match="agent ids must be in"):
+            s.backward_rows(torch.zeros(2, requires_grad=True), [0, 9])
+        with pytest.raises(ProbeError, match="non-zero loss"):
+            s.backward_rows(torch.ones(2, requires_grad=True), ["voter0", None])
+        with pytest.raises(ProbeError, match="unknown agent"):
+            s.backward_rows(torch.zeros(2, requires_grad=True), ["voter0", "nobody"])
+    assert np.all(s.result.gram == 0)
+
+
+def test_chunked_forwards_in_one_tagged_block():
+    """A framework computing log-probs in chunks of rows (TRL): the model calls inside one s.rows block
+    take the block's rows in call order, each as many as its input's batch dimension holds."""
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    rows = list(range(8))
+    expected = brute([case.call(rows)], lora_params(model))
+
+    def call(s):
+        with s.rows(case.ROW_AGENT[rows]):
+            lp = torch.cat([case.logprobs(rows[:3]), case.logprobs(rows[3:])])
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    call.tags = True
+    result, probe = run(model, "hooks", [call])
+    assert probe._method.fallback_calls == 0 and result.method == "hooks+check"
+    assert rel_err(result.gram, expected) < 1e-5
+    probe = Probe(model, AGENTS, ROLES)
+    with pytest.raises(ProbeError, match="hold more rows than its 4 agents"):
+        with probe.step(0) as s, s.rows(case.ROW_AGENT[:4]):
+            case.logprobs(rows[:3])
+            case.logprobs(rows[3:])
+
+
+def test_a_forward_never_back_propagated_is_not_a_candidate():
+    """A grad-enabled forward whose graph is never back-propagated (a stale one, kept alive or not) does
+    not make the rows of the real forward ambiguous."""
+    model = lora_model("sp", torch.float32)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+    expected = brute([call], lora_params(model))
+    probe = Probe(model, AGENTS, ROLES)
+    model.zero_grad(set_to_none=True)
+    with probe.step(0) as s:
+        kept = case.logprobs([0, 1])  # e.g. a logging forward with grad enabled, never back-propagated
+        s.backward_tokens(*call())
+    assert s.result.method == "hooks+check" and probe._method.fallback_calls == 0
+    assert rel_err(s.result.gram, expected) < 1e-5 and kept.requires_grad
