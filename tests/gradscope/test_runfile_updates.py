@@ -1,5 +1,5 @@
-"""Update attribution in the run file (schema 1.1): round trip, NaN for records without it, resume,
-validation, and files of schema 1.0 (no update attribution) still read."""
+"""Update attribution in the run file (schema 1.2): round trip, NaN for records without it, resume,
+validation, and files of schemas 1.0 and 1.1 (no update attribution) still read."""
 from __future__ import annotations
 
 import json
@@ -116,6 +116,7 @@ def test_schema_1_0_file_is_read(tmp_path: Path) -> None:
     with h5py.File(path, "r+") as f:
         f.attrs["schema_version"] = "1.0"
         del f.attrs["update_unit"]
+        del f["steps/method"]  # 1.1's
     with open_run(path) as run:
         assert run.schema_version == "1.0" and run.meta.update_unit == "" and run.meta.update_components == []
         assert run.update_gram is None and run.update_interference is None and run.update_grad_scale is None

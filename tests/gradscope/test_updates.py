@@ -189,6 +189,7 @@ def test_isolated_policy_cross_role_entries_are_exactly_zero():
                 agent_ids = row_agent[rows, None].expand_as(loss).clone()
                 agent_ids[:, :2] = -1
                 s.backward_tokens(loss * (agent_ids >= 0), agent_ids)
+        assert s.result.method.startswith("hooks")
         opt.step()
         u = probe.last_update
         assert u.gram[0, 1] == 0.0 and u.gram[1, 0] == 0.0
@@ -211,10 +212,12 @@ def test_hooks_on_a_shared_lora_lm_match_brute_force():
     agent_ids[:, :2] = -1
     for t in range(3):
         opt.zero_grad(set_to_none=True)
-        loss = lm_rows(model, ids, mask, slice(None), adv) * (agent_ids >= 0) / 56
-        G = per_agent_grads({a: loss[agent_ids == k].sum() for k, a in enumerate(AGENTS)}, params)
+        reference = lm_rows(model, ids, mask, slice(None), adv) * (agent_ids >= 0) / 56
+        G = per_agent_grads({a: reference[agent_ids == k].sum() for k, a in enumerate(AGENTS)}, params)
+        loss = lm_rows(model, ids, mask, slice(None), adv) * (agent_ids >= 0) / 56  # a forward the hooks see
         with probe.step(t) as s:
             s.backward_tokens(loss, agent_ids)
+        assert s.result.method.startswith("hooks")  # attributed by rows, not by a split fallback
         norm = float(torch.nn.utils.clip_grad_norm_(params, 0.02))
         theta0 = flat(params)
         opt.step()
@@ -332,3 +335,46 @@ def test_two_ranks_give_the_one_process_split(tmp_path):
             rank = np.load(tmp_path / f"rank{r}.npz")
             assert rel(rank[f"{name}/gram"], single["gram"]) < 1e-8
             assert rel(rank[f"{name}/interference"], single["interference"]) < 1e-8
+
+
+def test_sample_store_takes_outer_products_like_whole_products():
+    """Wide weights reach the stores as per-token factors (``add_outer``); at the sampled coordinates the
+    sample store must hold exactly what the whole per-agent products would give, and the tee hands both."""
+    from gradscope.probe.sketch import SketchStore
+    from gradscope.probe.updates import SampleStore, TeeStore
+
+    layer = nn.Linear(48, 40)
+    params, names = [layer.weight], ["w"]
+    g = torch.Generator().manual_seed(0)
+    G, A = torch.randn(30, 40, generator=g), torch.randn(30, 48, generator=g)
+    agents = torch.randint(0, 4, (30,), generator=g)
+    outer, whole = (SampleStore(params, names, [0], 1, 4, Sketch(200, seed=1)) for _ in range(2))
+    tee = TeeStore(SketchStore(params, names, [0], 1, 4, Sketch(16, seed=1)), outer)
+    tee.zero()
+    whole.zero()
+    tee.add_outer(0, agents, G, A)
+    present = agents.unique().tolist()
+    whole.add(0, present, torch.stack([G[agents == k].T @ A[agents == k] for k in present]).flatten(1))
+    assert 100 < len(outer.coords(0)) < 300  # ≈ k = 200 of 1920 coordinates
+    torch.testing.assert_close(outer.buffer, whole.buffer, rtol=1e-5, atol=1e-5)
+    assert tee.small(0) is False and isinstance(tee.local_copy(), TeeStore)
+
+
+def test_sampled_hooks_on_wide_layers_add_up():
+    """Sketch mode with the hooks method on full-width Linear layers (tensor-hashed, fed per-token factors)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    probe = Probe(model, AGENTS, ROLES, method="hooks", sketch=Sketch(16, seed=2), optimizer=opt)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+    for t in range(2):
+        opt.zero_grad(set_to_none=True)
+        with probe.step(t) as s:
+            loss = ((model(x) - y) ** 2).sum(1, keepdim=True) / 8
+            s.backward_rows(loss[:, 0], torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]))
+        opt.step()
+        u = probe.last_update
+        assert not u.exact and np.isfinite(u.gram).all() and np.isfinite(u.interference).all()
+        assert u.residual < 1e-10 and abs(u.gram[2, 2]) < 1e-12 * u.gram.sum()
+    probe.close()
