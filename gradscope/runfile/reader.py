@@ -226,8 +226,10 @@ class RunReader:
         meta = self.meta
         fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names),
                                     len(meta.update_components))
-        fields = {name: f for name, f in fields.items()  # those of a later minor may be absent
-                  if name not in schema.OPTIONAL_STEP_FIELDS or f"{schema.STEPS}/{name}" in self._f}
+        # Those of a later minor may be absent. Presence is asked through _dataset: `in` would follow
+        # an external /steps link (to a FIFO, say) and block.
+        fields = {name: f for name, f in fields.items()
+                  if name not in schema.OPTIONAL_STEP_FIELDS or self._dataset(f"{schema.STEPS}/{name}") is not None}
         wanted = [f"{schema.STEPS}/{name}" for name in fields]
         wanted += [*schema.TABLES, schema.COMMITTED]
         found = {name: self._dataset(name) for name in wanted}

@@ -124,8 +124,9 @@ def _compressed_zeros(rows: int) -> Callable[[h5py.File], None]:
         ds = f["steps"].create_dataset("gram", shape=(rows, 4, 4), maxshape=(None, 4, 4), dtype="<f8",
                                        chunks=(65536, 4, 4), compression="gzip", fillvalue=0.0)
         ds[: min(rows, 65536)] = 0.0
-        for name in ("step", "opt_step", "policy", "time", "tokens", "scalars", "group_gram"):
-            f[f"steps/{name}"].resize(rows, axis=0)
+        for name in f["steps"]:  # every record dataset: the reader trims to the shortest
+            if name != "gram":
+                f[f"steps/{name}"].resize(rows, axis=0)
         f["committed"][0] = rows
     return fn
 

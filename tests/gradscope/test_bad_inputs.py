@@ -264,8 +264,8 @@ def damaged(tmp_path_factory: pytest.TempPathFactory, run: Path) -> dict[str, Pa
 
 @pytest.mark.parametrize("name, words", [
     ("agents_20000", ("one record of /steps/gram would take 3.0 GiB in memory, over the read budget of 256.0 MiB",)),
-    ("rows_1e12", ("1,000,000,000,000 rows of /steps/", "TiB in memory, over the read budget of 256.0 MiB")),
-    ("rows_1e12@1P", ("1,000,000,000,000 rows of /steps/", "TiB of data, more than a", "file can hold")),
+    ("rows_1e12", ("1,000,000,000,000 rows of /steps/", "iB in memory, over the read budget of 256.0 MiB")),
+    ("rows_1e12@1P", ("1,000,000,000,000 rows of /steps/", "iB of data, more than a", "file can hold")),
     ("external_link_fifo", ("/steps/gram is an external link; a run file's datasets must be inside it",)),
     ("external_group_fifo", ("/steps is an external link",)),
     ("external_storage_fifo", ("/steps/gram keeps its data in external files",)),
