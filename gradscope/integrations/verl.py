@@ -17,7 +17,9 @@ Each row's agent comes from a non-tensor field of the batch (``agent_field``, de
 ``agent_name``), its role from ``role_field`` (default ``role``), else ``roles``, else the agent
 name. Under FSDP/data parallelism the probe sums the ranks' per-agent contributions; verl scales each
 rank's loss by the data-parallel size D (FSDP averages gradients), so the summed Gram is divided by
-D². Rank 0 writes the run file and evaluates the alert rules.
+D². FSDP leaves in ``.grad`` the reduced shard, not the rank's own gradient, so the probe is built
+with ``grad_reduced=True`` there and √ΣM is compared with verl's ``grad_norm`` instead. Rank 0
+writes the run file and evaluates the alert rules.
 
 Switch it on for ``python -m verl.trainer.main_ppo`` by starting it through this module instead::
 
@@ -49,8 +51,8 @@ from gradscope.alerts import Alert, Monitor
 from gradscope.alerts.cli import collect_rules
 from gradscope.errors import ConfigError, GradscopeError
 from gradscope.probe import Probe
-from gradscope.probe.hooks import HooksMethod, supported
-from gradscope.probe.probe import METHODS, StepResult
+from gradscope.probe.hooks import supported
+from gradscope.probe.probe import StepResult
 from gradscope.runfile import RunMeta, RunWriter
 
 #: The worker processes read their settings (JSON) from this environment variable.
@@ -62,27 +64,6 @@ PLUGIN = "gradscope.integrations.verl"
 SCALARS = ["loss", "grad_norm", "lr", "samples", "tokens"]
 #: √ΣM may differ from verl's grad_norm by this relative amount (bf16 compute) before it is reported.
 NORM_TOLERANCE = 0.05
-
-
-class ShardedGradHooks(HooksMethod):
-    """The hooks method for parameters whose ``.grad`` is FSDP's: sharded and already reduced over the
-    ranks, so it cannot be compared with this rank's per-agent contributions. The add-up check is done
-    globally instead, by :meth:`VerlProbe._check_norm` (√ΣM against verl's pre-clip grad_norm)."""
-
-    name = "hooks-fsdp"
-
-    def __init__(self, *args, **kwargs) -> None:
-        # no self-check either: split's per-agent autograd.grad would differentiate FSDP's sharded parameters
-        super().__init__(*args, **{**kwargs, "check_every": None})
-
-    def _deltas(self):  # noqa: D102 - no local gradient to compare with
-        return iter(())
-
-    def _check_add_up(self, *args, **kwargs):  # noqa: D102
-        return []
-
-
-METHODS.setdefault(ShardedGradHooks.name, ShardedGradHooks)
 
 
 class StopTraining(GradscopeError):
@@ -349,7 +330,7 @@ class VerlProbe:
         roles_of = {a: role_of.get(a, a) for a in order}
         self.probe = Probe(self.engine.module, order, roles_of, params=_probed_params(self.engine.module),
                            groups=s.groups or None, sketch=s.sketch or None,
-                           method="hooks" if self.group is None else ShardedGradHooks.name,
+                           method="hooks", grad_reduced=self.group is not None,
                            process_group=self.group if self.group is not None else False)
         if not self.is_main:
             return

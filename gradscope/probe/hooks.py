@@ -19,10 +19,29 @@ self-check verifies it (below); when none has, the call falls back to split, nam
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
 **Self-check.** On the first probed step that has per-row or per-token losses (and every
-``check_every`` probed steps if asked), each agent's gradient is also computed as split computes it
-(``autograd.grad`` per agent, ``.grad`` untouched), and the Grams are compared: a mismatch raises
-(``method="hooks"``) or, under ``auto``, the record takes split's Gram and the probe uses split from
-then on, with a warning. The per-record method says which ran (``StepResult.method``).
+``check_every`` probed steps if asked), each agent's gradient is also computed as split would, with
+no row tags: the agent's loss terms alone are differentiated (``autograd.grad``, ``.grad`` untouched)
+at the outputs of the call's hooked layer calls, and ``Σ_calls G_kᵀ A`` over all rows is agent k's
+gradient. The Grams are compared: a mismatch raises (``method="hooks"``) or, under ``auto``, the
+record takes the check's Gram and the probe uses split from then on, with a warning. The
+per-record method says which ran (``StepResult.method``). Differentiating at the layer outputs
+rather than at the parameters keeps the check valid where the parameters are not the tensors the
+forward computed with (FSDP computes with gathered copies of its sharded parameters, so autograd
+gives the parameters no gradient); the add-up check covers what it cannot see (a probed weight used
+outside its layer).
+
+**Gradient checkpointing.** A layer call made during a backward is a checkpoint's recomputation of
+a forward already seen, not a new forward: it is ignored. Non-reentrant checkpointing
+(``use_reentrant=False``, transformers' default) back-propagates through the original calls, so
+hooks and the self-check are exact; reentrant checkpointing runs the checkpointed layers without
+grad and back-propagates only through their recomputation, which hooks cannot attribute: the call
+falls back to split when no hooked call of the forward was seen, and raises when some were.
+
+**grad_reduced.** When the training framework leaves in ``.grad`` something other than this rank's
+own gradient (FSDP: sharded and reduced over the ranks; DDP: reduced), the add-up check (which
+compares with ``.grad``) is skipped, split cannot measure a call (no fallback: such a call raises),
+and the self-check differentiates every agent's terms, present on this rank or not (zero), so that
+every rank runs the same backward passes (FSDP gathers parameters inside them).
 
 Per weight and step, one of two representations, chosen by cost (:data:`GHOST_FACTOR`):
 
@@ -54,6 +73,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
 
 from gradscope.errors import ProbeError
 from gradscope.probe.distributed import all_reduce_sum_
@@ -159,7 +179,7 @@ class _Piece:
     inputs: torch.Tensor | None
     dim: int = 0              # the batch dimension of ``inputs``
     ambiguous: bool = False   # several dimensions had the batch size and none was verified
-    node: object = None       # the output's grad_fn: is this call reachable from a loss?
+    edge: object = None       # the output's GradientEdge: reachable from a loss? its gradient (self-check)
 
 
 class _Fallback(Exception):
@@ -177,20 +197,21 @@ class HooksMethod(GramMethod):
         strict: ``method="hooks"`` was asked for: a failed self-check raises instead of switching to split.
         check_every: self-check schedule: None never, 0 the first checkable probed step, n also every
             n probed steps after a check.
+        grad_reduced: ``.grad`` is not this rank's own gradient (FSDP, DDP): no add-up check, no split.
     """
 
     name = "hooks"
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
                  n_agents: int, *, model: nn.Module | None = None, store: Store | None = None,
-                 strict: bool = False, check_every: int | None = 0) -> None:
+                 strict: bool = False, check_every: int | None = 0, grad_reduced: bool = False) -> None:
         super().__init__(params, group_index, n_groups, n_agents, store=store)
         if model is None:
             raise ProbeError("the hooks method needs the model, to hook its layers; pass it or use method='split'")
         self.layers, uncovered = find_layers(model, self.params)
         if uncovered:
             raise ProbeError(f"hooks cannot attribute parameters {uncovered}; use method='split'")
-        self.strict, self.check_every = strict, check_every
+        self.strict, self.check_every, self.grad_reduced = strict or grad_reduced, check_every, grad_reduced
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward, layer))
@@ -201,6 +222,8 @@ class HooksMethod(GramMethod):
         self._new_forward = True
         self._in_call = False
         self._missed = False
+        self._reentrant = False
+        self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
         self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients, this step
         self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
         self._grad0: list[torch.Tensor | None] = []
@@ -219,7 +242,7 @@ class HooksMethod(GramMethod):
 
     # ------------------------------------------------------------------ hooks
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _in_backward():
             return
         if self._tag is None:
             self._new_forward = True
@@ -238,6 +261,10 @@ class HooksMethod(GramMethod):
     def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
+        if _in_backward():  # a checkpoint recomputing a call already seen (see "Gradient checkpointing")
+            if self._in_call:
+                output.register_hook(self._on_recomputed_grad)
+            return
         forward = self._tagged
         if forward is None:
             if self._new_forward or not self._forwards or self._forwards[-1].tag is not None \
@@ -245,7 +272,7 @@ class HooksMethod(GramMethod):
                 self._forwards.append(_Forward())
                 self._new_forward = False
             forward = self._forwards[-1]
-        piece = _Piece(layer, forward, args[0].detach(), node=output.grad_fn)
+        piece = _Piece(layer, forward, args[0].detach(), edge=get_gradient_edge(output))
         forward.pieces.append(piece)
         output.register_hook(partial(self._on_grad, piece))
 
@@ -270,6 +297,11 @@ class HooksMethod(GramMethod):
             self._tag, self._tagged = None, None
             self._new_forward = True
 
+    def _on_recomputed_grad(self, grad: torch.Tensor) -> None:
+        """A recomputed call received gradient: reentrant checkpointing back-propagates through its
+        recomputation, never through the call the hooks attributed."""
+        self._reentrant = True
+
     def _on_grad(self, piece: _Piece, grad: torch.Tensor) -> None:
         forward, x = piece.forward, piece.inputs
         forward.consumed, piece.inputs = True, None
@@ -292,8 +324,9 @@ class HooksMethod(GramMethod):
                 return
             A = x.reshape(forward.rows, -1, x.shape[-1])
             G = grad.reshape(forward.rows, -1, grad.shape[-1])
-            if A.dtype != self.dtype:
-                A, G = A.to(self.dtype), G.to(self.dtype)
+            self._compute_dtypes.update((A.dtype, G.dtype))
+            # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
+            A, G = A.to(self.dtype), G.to(self.dtype)
             if layer.weight is not None:
                 self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
             if layer.bias is not None:
@@ -337,21 +370,24 @@ class HooksMethod(GramMethod):
             for k, rows in fwd.by_agent.items():
                 D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
 
-    def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor) -> None:
-        """Hand the store one call's per-agent contributions (A: (rows, T, d_in), G: (rows, T, d_out))."""
+    def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
+                         store: Store | None = None) -> None:
+        """Hand ``store`` (default: the method's) one call's per-agent contributions (A: (rows, T, d_in),
+        G: (rows, T, d_out))."""
+        store = self.store if store is None else store
         agents = list(fwd.by_agent)
         if not agents:
             return
         if layer.bias is not None:
-            self.store.add(layer.bias, agents, self._sum_by_agent(G.sum(1), fwd)[agents])
+            store.add(layer.bias, agents, self._sum_by_agent(G.sum(1), fwd)[agents])
         if layer.weight is None:
             return
         d_out, d_in = self.params[layer.weight].shape
-        if _per_row(fwd.rows, A.shape[1], d_out, d_in) and self.store.small(layer.weight):
-            self.store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
+        if _per_row(fwd.rows, A.shape[1], d_out, d_in) and store.small(layer.weight):
+            store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
             return
         token_agents = fwd.kept.repeat_interleave(A.shape[1])
-        self.store.add_outer(layer.weight, token_agents, G[fwd.keep].flatten(0, 1), A[fwd.keep].flatten(0, 1))
+        store.add_outer(layer.weight, token_agents, G[fwd.keep].flatten(0, 1), A[fwd.keep].flatten(0, 1))
 
     def _sum_by_agent(self, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor:
         """(K, m): row b of ``per_row`` (rows, ...) flattened and added to its agent's row."""
@@ -367,21 +403,23 @@ class HooksMethod(GramMethod):
         per_row = per_row.reshape(fwd.rows, -1)
         D.view(self.n_agents, -1).index_add_(0, fwd.kept, per_row if len(fwd.keep) == fwd.rows else per_row[fwd.keep])
 
-    def _embedding_rows(self, layer: _Layer, fwd: _Forward, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        """The token rows (ids, G, agent) of the rows with an agent, kept for ``end`` or, with a store,
-        added to it at once; padding_idx gets no gradient."""
+    def _embedding_rows(self, layer: _Layer, fwd: _Forward, ids: torch.Tensor, grad: torch.Tensor,
+                        store: Store | None = None) -> None:
+        """The token rows (ids, G, agent) of the rows with an agent, kept for ``end`` or, with a store
+        (``store``, else the method's), added to it at once; padding_idx gets no gradient."""
         ids = ids.reshape(fwd.rows, -1)[fwd.keep]
         G = grad.reshape(fwd.rows, ids.shape[1], -1)[fwd.keep].to(self.dtype)
         agents = fwd.kept[:, None].expand_as(ids)
         use = ids != (-1 if layer.module.padding_idx is None else layer.module.padding_idx)
         ids, G, agents = ids[use], G[use], agents[use]
-        if self.store is None:
+        store = self.store if store is None else store
+        if store is None:
             layer.rows.append((ids, G, agents))
             return
         d = G.shape[1]
         coords = ids[:, None] * d + torch.arange(d, device=ids.device)
-        self.store.scatter(layer.weight, agents[:, None].expand_as(coords).reshape(-1), coords.reshape(-1),
-                           G.reshape(-1))
+        store.scatter(layer.weight, agents[:, None].expand_as(coords).reshape(-1), coords.reshape(-1),
+                      G.reshape(-1))
 
     def _dense_of(self, i: int) -> torch.Tensor:
         if i not in self._dense:  # reuse the buffer of an earlier step: no allocation per step
@@ -411,9 +449,11 @@ class HooksMethod(GramMethod):
     def begin(self) -> None:
         self._reset()
         self.warnings, self._reasons = [], []
+        self._compute_dtypes = set()
         if self.store is not None:
             self.store.zero()
-        self._grad0 = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        if not self.grad_reduced:  # for the add-up check
+            self._grad0 = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         if self._steps_since_check is not None:
             self._steps_since_check += 1
         since = self._steps_since_check
@@ -425,9 +465,13 @@ class HooksMethod(GramMethod):
 
     def backward(self, terms: Terms, retain_graph: bool) -> None:
         """No row information: this call goes through split (one backward per term)."""
-        self._split(terms, retain_graph, "per-agent-losses")
+        self._split(terms, retain_graph, "per-agent-losses", "per-agent loss terms carry no row information")
 
-    def _split(self, terms: Terms, retain_graph: bool, reason: str) -> None:
+    def _split(self, terms: Terms, retain_graph: bool, reason: str, why: str) -> None:
+        """One backward per term (split), for a call hooks cannot attribute (``reason``, ``why``)."""
+        if self.grad_reduced:
+            raise ProbeError(f"hooks cannot attribute this call: {why}; and split cannot measure it, since with "
+                             "grad_reduced=True .grad is not this rank's own gradient")
         self.fallback_calls += 1
         self._reasons.append(reason)
         sink = self.store.add_grad if self.store is not None else self._add_agent_grad
@@ -458,11 +502,11 @@ class HooksMethod(GramMethod):
             if terms is None:
                 raise ProbeError(f"hooks cannot attribute this loss: {fb}; and split cannot split a scalar loss. "
                                  "Pass per-row losses (backward_rows with a (B,) loss) or per-token losses") from None
-            if fb.reason != "check-failed":
+            if fb.reason != "check-failed" and not self.grad_reduced:
                 self._warn(f"hooks fell back to split for a call: {fb}")
             for f in live:
                 f.agents = None
-            return self._split(terms(), retain_graph, fb.reason)
+            return self._split(terms(), retain_graph, fb.reason, str(fb))
         checking = self._check is not None and terms is not None
         if self._check is not None and terms is None:
             self._checkable = False  # a scalar loss cannot be split: the check waits for a later step
@@ -475,27 +519,34 @@ class HooksMethod(GramMethod):
                 "Tag the forward with s.rows(agent_of_row, batch_dim=d), or let the self-check find it "
                 "(per-row or per-token losses, check_every not None)")
         self._unverified += ambiguous
-        self._in_call, self._missed = True, False
+        calls = [(p, p.inputs) for f in live for p in f.pieces if p.inputs is not None] if checking else []
+        self._in_call, self._missed, self._reentrant = True, False, False
         try:
             torch.autograd.backward(loss.sum(), retain_graph=retain_graph or checking)
         finally:
             self._in_call, self._norms = False, {}
             self._forwards = [f for f in self._forwards if f is self._tagged]
+        if self._reentrant:
+            raise ProbeError("hooks: the backward went through layers recomputed by reentrant gradient checkpointing "
+                             "(use_reentrant=True), which hooks cannot attribute; use use_reentrant=False "
+                             "(gradient_checkpointing_kwargs={'use_reentrant': False}) or method='split'")
         if self._missed or not all(f.consumed for f in live):
             raise ProbeError("hooks: the backward reached hooked layers of a forward that is not among this "
                              "call's (already back-propagated with retain_graph?); use method='split' for this loop")
         if checking:
-            self._split_for_check(terms(), retain_graph)
+            self._check_call(calls, terms(), loss, retain_graph)
 
     def _match(self, live: list[_Forward], row_agents: torch.Tensor | None, loss: torch.Tensor) -> list[_Forward]:
         """Give every forward the loss reaches the agents of its rows and every layer call its batch
         dimension; returns those forwards."""
         if len([f for f in live if f.tag is None]) > 1 or (len(live) > 1 and any(f.tag is None for f in live)):
             reachable = _reachable_nodes(loss)  # forwards never back-propagated (stale) do not count
-            live = [f for f in live if any(id(p.node) in reachable for p in f.pieces)]
+            live = [f for f in live if any(id(p.edge.node) in reachable for p in f.pieces)]
         if not live:
             raise _Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
-                                              "since the previous backward")
+                                              "since the previous backward (reentrant gradient checkpointing, "
+                                              "use_reentrant=True, runs the checkpointed layers without grad: "
+                                              "use use_reentrant=False)")
         untagged = [f for f in live if f.tag is None]
         if untagged and len(live) > 1:
             raise _Fallback("untagged-forwards", f"{len(live)} forwards of the model since the previous backward, "
@@ -528,16 +579,32 @@ class HooksMethod(GramMethod):
             f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
         return live
 
-    def _split_for_check(self, terms: Terms, retain_graph: bool) -> None:
-        """The self-check's side: each agent's gradient by ``autograd.grad`` (``.grad`` untouched)."""
-        live = [(i, p) for i, p in enumerate(self.params) if p.requires_grad]
+    def _check_call(self, calls: list[tuple[_Piece, torch.Tensor]], terms: Terms, loss: torch.Tensor,
+                    retain_graph: bool) -> None:
+        """The self-check's side of one call: agent k's gradient is ``Σ_calls G_kᵀ A`` over all rows, G_k the
+        gradient of k's terms alone at each hooked call's output (``autograd.grad``, ``.grad`` untouched).
+
+        ``calls``: the call's hooked layer calls and their inputs. Under ``grad_reduced`` every agent is
+        differentiated, absent ones as a zero term, so that every rank runs the same backward passes.
+        """
         todo = [(k, t) for k, t in terms if t.requires_grad]
+        if self.grad_reduced:
+            have = {k for k, _ in todo}
+            todo += [(k, loss.sum() * 0) for k in range(self.n_agents) if k not in have]
+        edges = [piece.edge for piece, _ in calls]
         for j, (k, term) in enumerate(todo):
-            grads = torch.autograd.grad(term, [p for _, p in live], retain_graph=retain_graph or j < len(todo) - 1,
-                                        allow_unused=True)
-            for (i, _), g in zip(live, grads):
-                if g is not None:
-                    self._check.add_grad(i, k, g)
+            grads = torch.autograd.grad(term, edges, retain_graph=retain_graph or j < len(todo) - 1, allow_unused=True)
+            whole = _Forward()  # every row agent k's: no row tag involved
+            with torch.no_grad():
+                whole.attach(torch.tensor([k], device=term.device))
+                for (piece, x), G in zip(calls, grads):
+                    if G is None:
+                        continue
+                    if piece.layer.embedding:
+                        self._embedding_rows(piece.layer, whole, x, G, self._check)
+                    else:
+                        self._linear_to_store(piece.layer, whole, x.reshape(1, -1, x.shape[-1]).to(self.dtype),
+                                              G.reshape(1, -1, G.shape[-1]).to(self.dtype), self._check)
 
     def _warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -552,24 +619,20 @@ class HooksMethod(GramMethod):
             per_param: dict[int, np.ndarray] = {}
             if self.store is None:
                 grams = self._local_grams(per_param if self._check is not None else None)
-                total, diag = grams.sum((1, 2)), np.diagonal(grams, axis1=1, axis2=2)
-                delta_sq = squared_norms(self._deltas(), self.group_index, self.n_groups)
-            else:  # check this rank's contributions before the store sums the ranks'
-                total, diag = self.store.sums()
-                delta_sq = self.store.norms_sq(self._deltas())
-            bad = self._check_add_up(total, diag, delta_sq, ghost)
+            bad = self._add_up(grams if self.store is None else None, ghost)
             failure = None if self._check is None else self._self_check(
                 grams if self.store is None else self.store.local_grams(), per_param, ghost)
             if failure is not None and not self.strict:
                 self.failed_check = True
-                self._warn(failure + "; this record has split's Gram and the probe uses split from now on")
+                self._warn(failure + "; this record has the check's Gram and the probe uses split from now on")
                 self._reasons.insert(0, "check-failed")
                 if self.store is None:
                     grams = self._check.local_grams()
                 else:
                     for mine, theirs in zip(self.store._buffers(), self._check._buffers()):
                         mine.copy_(theirs)
-                bad = []  # split's Gram adds up by construction
+                # the check sees only the hooked layers' calls: a weight used outside them must still be caught
+                bad = self._add_up(grams if self.store is None else None, ghost)
             if self.store is not None:
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
@@ -589,8 +652,20 @@ class HooksMethod(GramMethod):
                        else "hooks+check" if checked else "hooks")
         return grams
 
+    def _add_up(self, grams: np.ndarray | None, ghost: set[int]) -> list[int]:
+        """The add-up check of this rank's per-agent gradients (``grams`` (G, K, K), or the store's before it
+        sums the ranks') against ``Δ.grad``: the groups that fail; none under ``grad_reduced`` (there
+        ``.grad`` is not this rank's gradient: the caller compares √ΣM with the global norm)."""
+        if self.grad_reduced:
+            return []
+        if grams is None:
+            total, diag = self.store.sums()
+            return self._check_add_up(total, diag, self.store.norms_sq(self._deltas()), ghost)
+        delta_sq = squared_norms(self._deltas(), self.group_index, self.n_groups)
+        return self._check_add_up(grams.sum((1, 2)), np.diagonal(grams, axis1=1, axis2=2), delta_sq, ghost)
+
     def _self_check(self, grams: np.ndarray, per_param: dict[int, np.ndarray], ghost: set[int]) -> str | None:
-        """Compare this step's hooks Grams with split's; a message naming what differs, or None."""
+        """Compare this step's hooks Grams with the check's; a message naming what differs, or None."""
         if self._check is None:
             return None
         if not self._checkable:
@@ -623,12 +698,13 @@ class HooksMethod(GramMethod):
             hint = (f"layer {p.layer.name!r} has several input dimensions of size B = {p.forward.rows} and dimension "
                     f"{p.dim} is not the batch one (a sequence-first (T, B, d) input with T == B?): tag the forward "
                     "with s.rows(agent_of_row, batch_dim=d)")
-        return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's, so rows are "
-                f"attributed to the wrong agents; {hint}")
+        return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's (autograd per "
+                f"agent), so rows are attributed to the wrong agents; {hint}")
 
     def _grad_dtype(self) -> torch.dtype:
-        dtypes = {p.dtype for p in self.params}
-        return min(dtypes, key=lambda d: torch.finfo(d).bits) if dtypes else torch.float32
+        """The least precise dtype the step's gradients were computed in: the parameters', or a lower one
+        a probed layer computed in (autocast: fp32 weights, bf16 matmuls)."""
+        return _least_precise({p.dtype for p in self.params} | self._compute_dtypes)
 
     def _local_grams(self, per_param: dict[int, np.ndarray] | None = None) -> np.ndarray:
         per_device: dict[torch.device, torch.Tensor] = {}
@@ -707,12 +783,22 @@ class HooksMethod(GramMethod):
                 before_sq[g] += float(self._grad0[i].double().square().sum())
         if not dtypes:
             return []
-        tol, eps = add_up_tolerance(min(dtypes, key=lambda d: torch.finfo(d).bits))
+        tol, eps = add_up_tolerance(_least_precise(dtypes | self._compute_dtypes))
         scale = np.square(np.sqrt(np.clip(diag, 0, None)).sum(1))
         summands = np.sqrt(magnitude_sq) + np.sqrt(before_sq)
         allowed = (tol * scale + eps * (summands * (np.sqrt(delta_sq) + np.sqrt(np.clip(total, 0, None))) + ghost_sq)
                    + np.finfo(np.float64).tiny)
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
+
+
+def _least_precise(dtypes: set[torch.dtype]) -> torch.dtype:
+    return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else torch.float32
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a layer called now is a checkpoint's
+    recomputation); torch.utils.checkpoint asks autograd the same way."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _reachable_nodes(loss: torch.Tensor) -> set[int]:

@@ -105,6 +105,11 @@ class Probe:
             rank of the group must build the probe alike and probe the same steps (collectives).
         check_every: the hooks method's self-check against split: 0 (default) on the first probed step
             with per-row or per-token losses; n > 0 also every n probed steps after it; None never.
+        grad_reduced: False (default): after each backward ``.grad`` holds this rank's own gradient. True:
+            the training framework shards or reduces it over the ranks during the backward (FSDP, DDP), so
+            the probe cannot compare its per-agent gradients with ``.grad``: it needs the hooks method
+            (split reads ``.grad``), skips the add-up check (compare √ΣM with the global gradient norm),
+            and its self-check differentiates every agent on every rank. See docs/probe.md.
         optimizer: a torch AdamW / Adam to attribute the updates of, as :meth:`attach` (None: none yet).
         update_unit: ``"role"`` (default) or ``"agent"``: what the updates are split into.
 
@@ -116,7 +121,8 @@ class Probe:
                  params: ParamsLike | None = None, groups: GroupSpec = None, method: str = "auto",
                  sketch: int | Sketch | None = None,
                  process_group: dist.ProcessGroup | bool | None = None, check_every: int | None = 0,
-                 optimizer: torch.optim.Optimizer | None = None, update_unit: str = "role") -> None:
+                 grad_reduced: bool = False, optimizer: torch.optim.Optimizer | None = None,
+                 update_unit: str = "role") -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
         missing = [a for a in agents if a not in roles]
@@ -141,22 +147,28 @@ class Probe:
         for (_, p), g in zip(named, group_index):
             self.group_sizes[g] += p.numel()
         self.method_name = _choose_method(method, model, named)
+        if grad_reduced and self.method_name != "hooks":
+            raise ProbeError("grad_reduced=True needs the hooks method (split reads each agent's gradient from .grad, "
+                             f"which is then not this rank's); got method {self.method_name!r}"
+                             + (" (auto: some probed parameters are not nn.Linear / nn.Embedding weights)"
+                                if method == "auto" else ""))
         params_only = [p for _, p in named]
         if self.process_group is not None:
             check_same_setup(self.process_group, {
                 "agents": self.agents, "parameter names": self.param_names, "groups": self.groups,
                 "parameter sizes": [str(p.shape) for p in params_only], "method": self.method_name,
-                "sketch": str(self.sketch)})
+                "sketch": str(self.sketch), "grad_reduced": str(bool(grad_reduced))})
         store: Store | None = None
         if self.sketch is not None:
             store = SketchStore(params_only, self.param_names, group_index, len(self.groups), len(agents),
                                 self.sketch, self.process_group)
         elif self.process_group is not None:
             store = FlatStore(params_only, group_index, len(self.groups), len(agents), self.process_group)
-        options = {"strict": method == "hooks", "check_every": check_every} if self.method_name == "hooks" else {}
+        options = ({"strict": method == "hooks", "check_every": check_every, "grad_reduced": bool(grad_reduced)}
+                   if self.method_name == "hooks" else {})
         self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
                                                  model=model, store=store, **options)
-        self.params, self.group_index = params_only, group_index
+        self.params, self.group_index, self.grad_reduced = params_only, group_index, bool(grad_reduced)
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
         self.last: StepResult | None = None
@@ -203,11 +215,15 @@ class Probe:
     def attach(self, optimizer: torch.optim.Optimizer, unit: str = "role") -> None:
         """Split every step of ``optimizer`` (torch AdamW or Adam) into per-``unit`` updates (``"role"`` or
         ``"agent"``), from the per-agent gradients of the probed step before it; :attr:`last_update` holds
-        the latest. Other optimizers raise ProbeError (unavailable). Attach between probed steps,
-        before the optimizer's first step (moments it already holds count as ``unattributed``).
+        the latest. Other optimizers, and ``grad_reduced=True``, raise ProbeError (unavailable). Attach
+        between probed steps, before the optimizer's first step (moments it already holds count as
+        ``unattributed``).
         """
         if self._open:
             raise ProbeError("attach the optimizer between probed steps")
+        if self.grad_reduced:  # .grad is reduced or sharded by the framework: c and the split would not follow it
+            raise ProbeError("update attribution is unavailable with grad_reduced=True (FSDP, DDP reducing .grad "
+                             "in the backward): it reads the optimizer's gradient and state as this rank's own")
         if self._updates is None:
             self._updates = UpdateAttribution(self, self._method.store, unit)
             self._method.store = self._updates.store  # per-agent gradients must be kept for the optimizer step

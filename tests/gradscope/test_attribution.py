@@ -167,6 +167,52 @@ def test_self_check_catches_a_misattributed_layer_and_names_it():
     assert methods == ["split-fallback:check-failed"] * 2
 
 
+@pytest.mark.parametrize("wrong", ["loss-rows-reversed", "tags-reversed"])
+def test_self_check_catches_rows_in_another_order_than_the_forward(wrong):
+    """The loss's rows in another order than the forward's (an untagged forward takes its rows' agents from
+    the loss), or row tags in the wrong order: hooks would silently give rows to the wrong agents. The
+    self-check (no row information) catches it: auto takes its (right) Gram, hooks raises."""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    rows = list(range(8))
+    expected = brute([case.call(rows)], lora_params(model))
+    order = rows[::-1]
+
+    def call(s):
+        if wrong == "loss-rows-reversed":
+            lp = case.logprobs(rows)[order]
+            ids = case.agent_ids[order]
+            return -case.adv[order] * lp * (ids >= 0) / case.n_total, ids
+        with s.rows(case.ROW_AGENT[order]):
+            lp = case.logprobs(rows)
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    call.tags = True
+    with pytest.warns(RuntimeWarning, match="self-check"):
+        result, _ = run(model, "auto", [call])
+    assert result.method == "split-fallback:check-failed" and rel_err(result.gram, expected) < 1e-10
+    with pytest.raises(ProbeError, match="self-check.*row tags"):
+        run(model, "hooks", [call])
+
+
+class LeakyRowMixer(RowMixer):
+    """RowMixer whose second weight is also used outside its layer: invisible to hooks and to the check."""
+
+    def forward(self, x):
+        return super().forward(x) + torch.nn.functional.linear(x, self.second.weight)
+
+
+def test_a_failed_check_still_catches_a_weight_used_outside_its_layer():
+    """The self-check differentiates at the hooked layers' outputs, so its Gram misses a use of the weight
+    outside the layer too: after a failed check (auto) the add-up check still runs, on the check's Gram."""
+    model = LeakyRowMixer()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    probe = Probe(model, AGENTS, ROLES)
+    with pytest.raises(ProbeError, match="do not add up"), pytest.warns(RuntimeWarning, match="self-check"):
+        with probe.step(0) as s:
+            s.backward_tokens(model(x).square().sum(1, keepdim=True), ROW_AGENT[:, None])
+
+
 class _no_warning:
     def __enter__(self):
         return self

@@ -171,6 +171,69 @@ def test_unprobed_steps_between_do_not_confuse_the_rows():
     assert rel_err(s.result.gram, brute([case.call(list(range(8)))], lora_params(model))) < 1e-5
 
 
+# ---------------------------------------------------------------- gradient checkpointing
+def tagged(case: LMCase, rows: list[int]):
+    """An SP micro-batch whose forward is tagged with its rows' agents (``s.rows``)."""
+    def forward(s):
+        with s.rows(case.ROW_AGENT[rows]):
+            lp = case.logprobs(rows)
+        ids = case.agent_ids[rows]
+        return -case.adv[rows] * lp * (ids >= 0) / case.n_total, ids
+    forward.tags = True
+    return forward
+
+
+def count_calls(module: nn.Module) -> list[int]:
+    """A counter of ``module``'s grad-enabled calls (forwards and a checkpoint's recomputations)."""
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + torch.is_grad_enabled()))
+    return calls
+
+
+@pytest.mark.parametrize("tags", [False, True], ids=["untagged", "s.rows"])
+def test_gradient_checkpointing_is_exact_and_passes_the_self_check(tags):
+    """HF gradient checkpointing (torch.utils.checkpoint, non-reentrant): the decoder layers run again
+    inside every backward (the self-check's too). Those recomputations are not new forwards; hooks equals
+    brute force (autograd per agent, no checkpointing), with the self-check on and agreeing, over two
+    micro-batches. (One adapter: a checkpoint recomputes with the adapter active at backward time.)"""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    expected = brute([case.call(list(range(8)))], lora_params(model))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # HF checkpoints only in training mode (dropout is 0 throughout)
+    calls = count_calls(model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.lora_A.shared"))
+    micro = [tagged(case, rows) if tags else case.call(rows) for rows in ([0, 1, 2, 6], [3, 4, 5, 7])]
+    result, probe = run(model, "hooks", micro)
+    assert calls[0] > 2  # checkpointing was on: the layer ran again in the backwards
+    assert result.method == "hooks+check" and probe._method.fallback_calls == 0 and not result.warnings
+    assert rel_err(result.gram, expected) < TOL[torch.float64]
+
+
+def test_reentrant_checkpointing_is_not_attributed_by_hooks():
+    """Reentrant checkpointing runs the layers without grad and back-propagates through their recomputation
+    only: hooks sees no call to attribute; the call goes through split (exact), saying why."""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    expected = brute([case.call(list(range(8)))], lora_params(model))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+    model.train()
+    with pytest.warns(RuntimeWarning, match="use_reentrant=False"):
+        result, _ = run(model, "auto", [case.call(list(range(8)))])
+    assert result.method == "split-fallback:unmatched-rows"
+    assert rel_err(result.gram, expected) < TOL[torch.float64]
+
+    # a hooked layer seen with grad before the checkpoint: the backward reaches the recomputed ones
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+    model = nn.ModuleDict({"first": first, "second": second})
+    x = torch.randn(4, 3, dtype=torch.float64)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match="reentrant gradient checkpointing"), probe.step(0) as s:
+        out = torch.utils.checkpoint.checkpoint(second, first(x), use_reentrant=True)
+        s.backward_rows(out.square().sum(1), torch.arange(4))
+
+
 # ---------------------------------------------------------------- a fully trained Embedding + Linear head
 class EmbedLM(nn.Module):
     """Embedding (padding_idx 0) → causal running mean over positions (mixes a row) → tanh → Linear head."""
@@ -282,6 +345,25 @@ def test_mlp_on_2d_inputs_with_biases(ghost, monkeypatch):
     assert rel_err(result.gram, expected) < 1e-9
 
 
+def test_autocast_bf16_inputs_and_gradients_of_different_dtypes():
+    """Under CPU autocast a Linear's input is fp32 (the first layer) or bf16 and its output gradient bf16:
+    hooks casts each to the probe's dtype. Brute force runs under the same autocast (bf16 rounding: 2e-2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    agent_ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])[:, None]
+
+    def call():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        return ((out.float() - y) ** 2).sum(1, keepdim=True) / 8, agent_ids
+    expected = brute([call], list(model.parameters()))
+    result, probe = run(model, "hooks", [call])
+    assert result.method.startswith("hooks")
+    assert rel_err(result.gram, expected) < 2e-2
+
+
 # ---------------------------------------------------------------- guarantees and refusals
 def test_nonfinite_measured_failed_step_and_existing_grad():
     model, plain = EmbedLM(), EmbedLM()
@@ -329,6 +411,38 @@ def test_uncovered_parameters_refused_or_split():
     with pytest.raises(ProbeError, match="needs the model"):
         Probe(None, AGENTS, ROLES, params=list(model.parameters()), method="hooks")
     assert Probe(None, AGENTS, ROLES, params=list(model.parameters())).method_name == "split"
+
+
+def test_grad_reduced_when_the_framework_changes_grad():
+    """grad_reduced=True: .grad is not this rank's own gradient (here a hook halves it after accumulation,
+    as a data-parallel average would). The add-up check, which compares with .grad, would call the
+    measurement wrong; with the option the probe skips it, its self-check still runs and agrees, and the
+    Gram is brute force's. A call hooks cannot attribute raises (split would read .grad), and so does a
+    method other than hooks."""
+    model = lora_model("sp", torch.float64)
+    case = LMCase(model, "sp")
+    call = case.call(list(range(8)))
+    expected = brute([call], lora_params(model))
+    def average(p: torch.Tensor) -> None:
+        p.grad.mul_(0.5)
+    for p in lora_params(model):
+        p.register_post_accumulate_grad_hook(average)
+    with pytest.raises(ProbeError, match="do not add up"):
+        run(model, "hooks", [call])
+    result, probe = run(model, "hooks", [call], grad_reduced=True)
+    assert result.method == "hooks+check" and probe._method.fallback_calls == 0
+    assert rel_err(result.gram, expected) < TOL[torch.float64]
+
+    def untagged():  # two untagged forwards: auto would fall back to split
+        lp = torch.cat([case.logprobs([0, 1, 2]), case.logprobs([3, 4, 5, 6, 7])])
+        ids = case.agent_ids
+        return -case.adv * lp * (ids >= 0) / case.n_total, ids
+    with pytest.raises(ProbeError, match="without row tags.*grad_reduced=True"):
+        run(model, "auto", [untagged], grad_reduced=True)
+    with pytest.raises(ProbeError, match="grad_reduced=True needs the hooks method"):
+        Probe(model, AGENTS, ROLES, method="split", grad_reduced=True)
+    with pytest.raises(ProbeError, match="grad_reduced=True needs the hooks method.*auto"):
+        Probe(nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8)), AGENTS, ROLES, grad_reduced=True)
 
 
 class Leaky(nn.Module):

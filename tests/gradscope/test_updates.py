@@ -298,6 +298,11 @@ def test_other_optimizers_and_misuse_are_clear_errors():
     other = nn.Linear(2, 2)
     with pytest.raises(ProbeError, match="none of the probed parameters"):
         probe.attach(torch.optim.AdamW(other.parameters()))
+    reduced = make_mlp()
+    reduced_probe = Probe(reduced, AGENTS, ROLES, method="hooks", grad_reduced=True)
+    with pytest.raises(ProbeError, match="unavailable with grad_reduced=True"):
+        reduced_probe.attach(torch.optim.AdamW(reduced.parameters()))
+    reduced_probe.close()
     with pytest.raises(ProbeError, match="unit must be one of"):
         Probe(make_mlp(), AGENTS, ROLES, optimizer=torch.optim.AdamW(model.parameters()), update_unit="layer")
     probe.close()

@@ -203,7 +203,7 @@ def engine_case(out: Path) -> None:
             saved["grad_after"] = flat_grad(engine.module).numpy()
             engine.train_batch(batch(2), loss)
     for i, (result, scalars) in enumerate(hook.records):
-        saved[f"gram{i}"], saved[f"tokens{i}"] = result.gram, result.tokens
+        saved[f"gram{i}"], saved[f"tokens{i}"], saved[f"method{i}"] = result.gram, result.tokens, np.array(result.method)
         saved[f"scalars{i}"] = np.array([scalars[k] for k in ("loss", "grad_norm", "lr", "samples", "tokens")])
     saved["verl_grad_norm"] = np.array(first["metrics"]["grad_norm"])
     saved["measurement"] = np.array(hook.probe.measurement)
@@ -313,6 +313,8 @@ def test_gram_is_the_brute_force_per_agent_gradients(engine_runs):
     # response tokens per agent: rows i % 4, each 6 tokens but row 1 (4) and row 6 (2)
     assert one["tokens0"].tolist() == [12, 10, 8, 12]
     assert str(one["measurement"]) == "hooks"
+    # the probe's self-check (per-agent autograd at the layers, no row tags) ran on the first step and agreed
+    assert [str(one["method0"]), str(one["method1"])] == ["hooks+check", "hooks"]
 
 
 @pytest.mark.slow
@@ -331,7 +333,8 @@ def test_two_processes_give_the_one_process_gram(engine_runs):
             assert _rel(two[f"gram{i}"], one[f"gram{i}"]) < 1e-5
             assert two[f"tokens{i}"].tolist() == one[f"tokens{i}"].tolist()
             np.testing.assert_allclose(two[f"scalars{i}"], one[f"scalars{i}"], rtol=1e-5)
-        assert str(two["measurement"]) == "hooks-fsdp+ranks(2)"
+            assert str(two[f"method{i}"]) == str(one[f"method{i}"])  # the self-check ran on every rank
+        assert str(two["measurement"]) == "hooks+ranks(2)"
 
 
 @pytest.mark.slow

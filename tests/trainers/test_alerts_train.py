@@ -35,7 +35,7 @@ def test_stop_ends_a_real_run_cleanly(tmp_path):
     assert analyze.returncode == 0, analyze.stderr
 
 
-def test_checkpoint_action_writes_loadable_adapters(tmp_path):
+def test_checkpoint_action_writes_loadable_adapters(tmp_path, alternating_rewards):
     from peft import PeftModel
 
     from gradscope.trainers.testbed.cache import warm_started_model

@@ -83,7 +83,7 @@ def test_zero_and_cancelling_advantages_train(tmp_path, monkeypatch, workflow, t
     assert np.sqrt(np.abs(cancelling.gram).max()) < 1e-4 * signal
 
 
-def test_recorded_method_is_the_one_that_ran(tmp_path, monkeypatch):
+def test_recorded_method_is_the_one_that_ran(tmp_path, monkeypatch, alternating_rewards):
     """The trainer's records say hooks (the first one self-checked); a forced fallback is recorded as
     split with its reason, a warning event says why, and probe_method names only split."""
     from gradscope.probe import hooks
@@ -94,7 +94,7 @@ def test_recorded_method_is_the_one_that_ran(tmp_path, monkeypatch):
         assert run.method[0] == "hooks+check" and set(run.method[1:]) == {"hooks"}
         assert run.meta.probe_method == "hooks" and "probe" not in set(run.events["kind"])
 
-    def unmatched(self, live, row_agents):
+    def unmatched(self, live, row_agents, *_):
         raise hooks._Fallback("unmatched-rows", "forced by the test")
     monkeypatch.setattr(hooks.HooksMethod, "_match", unmatched)
     cfg = tiny(tmp_path, "voting", "math", 2, 2)
