@@ -54,7 +54,7 @@ import torch.nn as nn
 from gradscope.errors import ProbeError
 from gradscope.probe.distributed import all_reduce_sum_
 from gradscope.probe.sketch import PRIME, Sketch, hash_coefficients, poly_hash
-from gradscope.probe.store import CHUNK, FlatStore, Store
+from gradscope.probe.store import CHUNK, FlatStore, Store, group_layout
 from gradscope.stats import UPDATE_EXTRAS
 
 if TYPE_CHECKING:
@@ -158,17 +158,7 @@ class SampleStore(Store):
                                                                           device=self.device)) < thresholds[g])[:, 0]
                     for lo in range(0, p.numel(), CHUNK)]
             self._coords.append(torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long, device=self.device))
-        order = sorted(range(len(self.params)), key=lambda i: (self.group_index[i], i))
-        self.offsets = [0] * len(self.params)
-        self.group_slices = []
-        pos = 0
-        for g in range(n_groups):
-            start = pos
-            for i in order:
-                if self.group_index[i] == g:
-                    self.offsets[i] = pos
-                    pos += len(self._coords[i])
-            self.group_slices.append(slice(start, pos))
+        self.offsets, self.group_slices, pos = group_layout([len(c) for c in self._coords], group_index, n_groups)
         self.buffer = torch.zeros(n_agents, pos, dtype=self.dtype, device=self.device)
 
     # the Coordinates protocol
