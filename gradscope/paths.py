@@ -25,6 +25,15 @@ def kind_of(mode: int) -> str | None:
     return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
 
 
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush a file's or a folder's data to disk (a folder: the entries created or renamed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def check_output(path: str | os.PathLike[str], error: type[GradscopeError] = ConfigError) -> None:
     """``error`` (one line) unless ``path`` is absent or a regular file (a symbolic link is refused
     even when it points at one: writing through it would change a file elsewhere)."""

@@ -1,4 +1,5 @@
-"""``gradscope train``: flags → TrainConfig → Trainer, with a progress bar.
+"""``gradscope train``: flags (over a ``--config`` file, over the stored config on ``--resume``) →
+TrainConfig → Trainer, with a progress bar.
 
 The flags are parsed before torch and the trainer stack are imported, so ``--help`` and a bad flag
 are answered at once.
@@ -9,10 +10,11 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gradscope.cli import ArgumentParser
-from gradscope.trainers.config import add_arguments, from_arguments
+from gradscope.errors import ConfigError, RunFileError
+from gradscope.trainers.config import TrainConfig, add_arguments, given_arguments, load_config_file, locate, merge
 
 if TYPE_CHECKING:
     from gradscope.trainers.train import Trainer
@@ -40,7 +42,11 @@ def train_main(argv: Sequence[str]) -> int:
     parser = ArgumentParser(prog="gradscope train",
                             description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
     add_arguments(parser)
-    cfg = from_arguments(parser.parse_args(list(argv)))
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="settings from a YAML file, one 'name: value' per flag (flags override it)")
+    args = parser.parse_args(list(argv))
+    given = given_arguments(argv)
+    cfg, origin = config_from(given, args.config)
 
     from tqdm import tqdm  # the trainer stack (torch, transformers, peft) loads only after parsing
 
@@ -49,7 +55,10 @@ def train_main(argv: Sequence[str]) -> int:
 
     if world_size_from_env() > 1:  # torchrun tears a job down with SIGTERM: close the run file cleanly
         signal.signal(signal.SIGTERM, _interrupt)
-    trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))
+    try:
+        trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))
+    except ConfigError as exc:  # a bad value from the config file: say where it was set
+        raise locate(exc, {k: where for k, where in origin.items() if k not in given}) from None
     try:
         out = run_with_progress(trainer)
     finally:
@@ -59,6 +68,23 @@ def train_main(argv: Sequence[str]) -> int:
             print(f"gradscope: stopped after step {trainer.stopped_after} by alert: {trainer.stopped_by.message}")
         print(f"wrote {out}")
     return 0
+
+
+def config_from(given: dict[str, Any], config_file: str | None) -> tuple[TrainConfig, dict[str, str]]:
+    """The run's settings: defaults, or with ``--resume`` the run file's stored config, then the config
+    file's, then the ``given`` flags'. Returns the config and where the file set each of its settings."""
+    file, origin = load_config_file(config_file) if config_file else ({}, {})
+    cfg = merge(given, file)
+    if cfg.resume:
+        from gradscope.runfile import open_run
+
+        try:
+            with open_run(cfg.out) as run:
+                stored = run.meta.config
+        except RunFileError:  # a missing, foreign or unreadable file: the trainer's checks say which
+            return cfg, origin
+        cfg = merge(given, file, stored=stored)
+    return cfg, origin
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -1,13 +1,23 @@
 """``TrainConfig``: every setting of a training run, each one a ``gradscope train`` flag.
 
-The resolved config (defaults filled in for the chosen model) is stored in the run file.
+The resolved config (defaults filled in for the chosen model) is stored in the run file. Settings
+come, each overriding the one before, from the field defaults (or, with ``--resume``, the run's
+stored config), a ``--config FILE.yaml`` and the command line; ``--resume`` may change only
+:data:`RESUMABLE` ones.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from gradscope.errors import ConfigError
 from gradscope.ranges import COUNT, WHOLE, Range
 from gradscope.trainers.flags import flag
 from gradscope.trainers.grpo_config import GRPOConfig
@@ -72,33 +82,187 @@ class TrainConfig:
             max_evals=self.max_evals or (2 if self.task.startswith("code") or self.task == "humaneval" else 3))
 
 
+#: What ``--resume`` may change: how long to train, when to evaluate and checkpoint, the alert rules,
+#: where else to log, how the processes run. Every other setting must equal the run's stored one.
+RESUMABLE = ("steps", "eval_every", "checkpoint_every", "alert", "alerts", "default_alerts", "log_to", "log_dir",
+             "threads", "dist_timeout", "unsafe_sandbox", "out", "overwrite", "resume")
+#: Settings that always come from the command line (or their defaults), never from a stored config.
+_INVOCATION = ("out", "overwrite", "resume")
+#: A ``--config`` file larger than this is refused unread.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig and GRPOConfig field, named after it (``--tasks-per-step``)."""
-    for cls in (TrainConfig, GRPOConfig):
-        for f in dataclasses.fields(cls):
-            if f.name == "grpo":
+def settings() -> dict[str, dataclasses.Field]:
+    """Every setting by field name: TrainConfig's and (flat, as the flags are) GRPOConfig's."""
+    return {f.name: f for cls in (TrainConfig, GRPOConfig) for f in dataclasses.fields(cls) if f.name != "grpo"}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def from_settings(values: Mapping[str, Any]) -> TrainConfig:
+    """A TrainConfig from flat settings (field name → value); missing ones take their defaults."""
+    grpo_names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    grpo = GRPOConfig(**{k: v for k, v in values.items() if k in grpo_names})
+    return TrainConfig(**{k: v for k, v in values.items() if k not in grpo_names}, grpo=grpo)
+
+
+def checked(name: str, value: Any) -> Any:
+    """``value`` as setting ``name`` takes it (an int is a float where a float is due, one rule string
+    a list of one); ValueError, one line, for an unknown name or a value of the wrong type."""
+    known = settings()
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        raise ValueError(f"unknown setting {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    default = _default(known[name])
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads 2e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif isinstance(default, list):
+        value = [value] if isinstance(value, str) else value
+        ok, want = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
+    else:  # a string, or None where none is the default
+        ok, want = isinstance(value, str) or (value is None and default is None), "a string"
+    if not ok:
+        raise ValueError(f"{name}: expected {want}, got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, int, float, str, list, type(None))) else repr(value)
+
+
+def stored_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings in a run file's stored config (nested ``grpo`` flattened; recorded facts such as
+    ``world_size`` and settings this version does not know are left out). ConfigError for a
+    value of the wrong type."""
+    flat = {**{k: v for k, v in config.items() if k != "grpo"}, **dict(config.get("grpo") or {})}
+    known = settings()
+    try:
+        return {k: checked(k, v) for k, v in flat.items() if k in known}
+    except ValueError as exc:
+        raise ConfigError(f"the run's stored config: {exc}") from None
+
+
+def check_resumable(cfg: TrainConfig, stored: Mapping[str, Any]) -> None:
+    """ConfigError naming the first setting outside :data:`RESUMABLE` whose resolved value differs
+    from the run's stored config (a setting the stored config lacks is not compared)."""
+    current = stored_settings(json.loads(json.dumps(dataclasses.asdict(cfg.resolved()))))
+    for name, value in stored_settings(stored).items():
+        if name not in RESUMABLE and current[name] != value:
+            raise ConfigError(f"--resume: {_flag(name)} is {_show(current[name])} but the run was made with "
+                              f"{_show(value)}; only {', '.join(_flag(n) for n in RESUMABLE if n not in _INVOCATION)} may "
+                              f"change on resume "
+                              f"(leave the others out: they are read from the run file)")
+
+
+def merge(given: Mapping[str, Any], file: Mapping[str, Any] | None = None,
+          stored: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the run's ``stored`` config (resume; its invocation settings ``out``,
+    ``overwrite``, ``resume`` excepted), then a config ``file``'s settings, then the ``given``
+    command-line ones."""
+    values = {k: v for k, v in stored_settings(stored or {}).items() if k not in _INVOCATION}
+    return from_settings({**values, **(file or {}), **given})
+
+
+def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings of a YAML ``--config`` file: ``{setting: value}`` and ``{setting: "FILE:LINE"}``.
+
+    A mapping of setting names (``tasks_per_step`` or ``tasks-per-step``, as the flags), GRPO ones
+    at the top level or under ``grpo:``. ConfigError, one line with the file and line, for an
+    unreadable file, bad YAML, an unknown or repeated setting, or a value of the wrong type.
+    """
+    import yaml  # only when a file is given
+
+    try:
+        st = os.stat(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"--config {path}: {st.st_size:,} bytes; at most {MAX_CONFIG_BYTES:,} are read")
+        with open(path, "rb") as fh:
+            text = fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start + 1})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(str(getattr(exc, 'problem', None) or exc).split())}") \
+            from None
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
+
+    def read(mapping: yaml.Node, allowed: set[str] | None) -> None:
+        if not isinstance(mapping, yaml.MappingNode):
+            raise ConfigError(f"{path}:{mapping.start_mark.line + 1}: expected a mapping of settings (name: value)")
+        for key_node, value_node in mapping.value:
+            where = f"{path}:{key_node.start_mark.line + 1}"
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            name = str(key).replace("-", "_")
+            if allowed is None and name == "grpo" and isinstance(value_node, yaml.MappingNode):
+                read(value_node, grpo)
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if isinstance(default, list):
-                parser.add_argument(_flag(f.name), dest=f.name, action="append", default=default,
-                                    metavar="RULE", help=f.metadata["help"])
-            elif isinstance(default, bool):
-                parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                                    default=default, help=f.metadata.get("help"))
-            else:
-                kind = {int: int, float: float}.get(type(default), str)
-                parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default,
-                                    help=f.metadata["help"])
+            try:
+                if not isinstance(key, str) or (allowed is not None and name not in allowed):
+                    raise ValueError(f"unknown setting {key!r}" + (" under grpo" if allowed else ""))
+                if name in values:
+                    raise ValueError(f"{name} is set twice (first at {origin[name]})")
+                values[name] = checked(name, yaml.safe_load(yaml.serialize(value_node)))
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            origin[name] = where
+
+    if root is not None:  # an empty file sets nothing
+        read(root, None)
+    return values, origin
 
 
-def from_arguments(args: argparse.Namespace) -> TrainConfig:
-    grpo = GRPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)})
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "grpo"}
-    return TrainConfig(**fields, grpo=grpo)
+def locate(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:
+    """``error`` with ``(FILE:LINE)`` appended when it names the flag of a setting a config file made."""
+    for name, where in origin.items():
+        if re.search(rf"{re.escape(_flag(name))}(?![\w-])", str(error)):
+            return ConfigError(f"{error} ({where})")
+    return error
+
+
+def add_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """One flag per TrainConfig and GRPOConfig field, named after it (``--tasks-per-step``).
+    ``defaults=False``: a flag not given leaves no attribute (see :func:`given_arguments`)."""
+    for name, f in settings().items():
+        default = _default(f)
+        kw = {"dest": name, "help": f.metadata["help"], "default": default if defaults else argparse.SUPPRESS}
+        if isinstance(default, list):
+            parser.add_argument(_flag(name), action="append", metavar="RULE", **kw)
+        elif isinstance(default, bool):
+            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kw)
+        else:
+            parser.add_argument(_flag(name), type={int: int, float: float}.get(type(default), str), **kw)
+
+
+def given_arguments(argv: Sequence[str]) -> dict[str, Any]:
+    """The settings given on the command line ``argv`` (already checked by a parser built with
+    :func:`add_arguments`), without the defaults of the others."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser, defaults=False)
+    return vars(parser.parse_known_args(list(argv))[0])
 
 
 #: Allowed values of every numeric TrainConfig field, checked by ``train.validate`` before any model is

@@ -140,6 +140,9 @@ class NullWriter:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    def flush(self) -> None:
+        return None
+
     def __getattr__(self, name: str):
         if name.startswith("log_"):
             return lambda *args, **kw: None

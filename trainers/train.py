@@ -29,10 +29,11 @@ from gradscope.paths import kind_of
 from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
-from gradscope.runfile import RunMeta, RunWriter
-from gradscope.runfile.writer import check_overwrite
-from gradscope.trainers.checkpoint import load_checkpoint, save_checkpoint
-from gradscope.trainers.config import RANGES, TrainConfig
+from gradscope.runfile import RunMeta, RunWriter, open_run
+from gradscope.runfile.writer import check_overwrite, committed_below
+from gradscope.trainers.checkpoint import (Checkpoint, check_folder, checkpoint_folder, clear_resume_points,
+                                           find_checkpoint, has_resume_point, load_checkpoint, save_checkpoint)
+from gradscope.trainers.config import RANGES, TrainConfig, check_resumable
 from gradscope.trainers.distributed import Dist, NullWriter, world_size_from_env
 from gradscope.trainers.grpo import STEP_SCALARS, GRPOUpdater
 from gradscope.trainers.grpo_config import GRPO_RANGES
@@ -106,12 +107,50 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     return workflow, tasks, rules
 
 
+def check_checkpoints(cfg: TrainConfig) -> Checkpoint | None:
+    """The checkpoint folder ``<out>.ckpt``, before any model is built (errors exit 2).
+
+    A new run refuses to replace another run's resume point without ``--overwrite``. ``--resume``
+    checks the settings against the run's stored config and returns the newest complete checkpoint,
+    after checking that it was taken from this run file and that the file still holds every row it
+    covers (its committed counters equal the file's rows up to its step). None: no checkpoint yet
+    (a run killed before its first one starts over), allowed only while the file holds nothing
+    after the base evaluation."""
+    folder = checkpoint_folder(cfg.out)
+    check_folder(folder)
+    if not cfg.resume:
+        if has_resume_point(folder) and not cfg.overwrite:
+            raise ConfigError(f"{folder} holds the checkpoint of an earlier run (pass --overwrite to replace it, "
+                              f"or --resume)")
+        return None
+    with open_run(cfg.out) as run:
+        check_resumable(cfg, run.meta.config)
+        ckpt = find_checkpoint(folder)
+        if ckpt is None:
+            if committed_below(run, 1) != committed_below(run, 2**62):  # rows after the base evaluation
+                raise ConfigError(f"--resume: no checkpoint in {folder}, but {cfg.out} holds training steps; "
+                                  f"was the folder moved? (--overwrite starts the run over)")
+            return None
+        ckpt.check_world(world_size_from_env())
+        if ckpt.run_created is not None and ckpt.run_created != run.meta.created:
+            raise ConfigError(f"--resume: checkpoint {ckpt.path} belongs to another run (created {ckpt.run_created}, "
+                              f"{cfg.out} created {run.meta.created})")
+        have = committed_below(run, ckpt.step + 1)
+        for counter, want in (ckpt.committed or {}).items():
+            if have[counter] != want:
+                raise ConfigError(f"--resume: checkpoint {ckpt.path} covers {want} rows ({counter}) up to step "
+                                  f"{ckpt.step}, but {cfg.out} holds {have[counter]}: the run file is not the one "
+                                  f"the checkpoint was taken with")
+    return ckpt
+
+
 class Trainer:
     """Builds everything from a config; :meth:`run` trains and writes the run file."""
 
     def __init__(self, cfg: TrainConfig, *, verbose: bool = False,
                  echo: Callable[[str], object] | None = None) -> None:
         workflow_cls, self.tasks, self.rules = validate(cfg)
+        self.resume_from = check_checkpoints(cfg)
         self.echo = echo  # where alert lines go (None: standard error)
         self.stopped_by: Alert | None = None  # the alert whose ``stop`` ended the run
         self.stopped_after = 0                 # ... after this training step
@@ -154,39 +193,46 @@ class Trainer:
                        roles=self.workflow.roles, policies=self.policy.adapters,
                        groups=self.probe.groups if per_group else [],
                        group_sizes=self.probe.group_sizes if per_group else [],
-                       config={**json.loads(json.dumps(dataclasses.asdict(self.cfg))), "world_size": self.dist.world},
+                       config=self.stored_config(),
                        seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS,
                        update_unit=self.probe.update_unit or "")
+
+    def stored_config(self) -> dict:
+        """The resolved config as the run file stores it (JSON types), with the world size."""
+        return {**json.loads(json.dumps(dataclasses.asdict(self.cfg))), "world_size": self.dist.world}
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:
         """Train to ``cfg.steps``, or until an alert's ``stop`` (then :attr:`stopped_by` is set, the
         step in progress is finished, checkpointed, and the last event is ``stop``)."""
         cfg, out, dist = self.cfg, Path(self.cfg.out), self.dist
-        ckpt_dir = out.with_name(out.name + ".ckpt")
+        ckpt_dir = checkpoint_folder(out)
         monitor = self._monitor(ckpt_dir)
-        start = 1
-        if cfg.resume:
-            start = load_checkpoint(ckpt_dir, self.model, self.updater, self) + 1
+        done = None  # the last step the checkpoint resumed from covers; None: start with the base evaluation
+        if self.resume_from is not None:
+            load_checkpoint(self.resume_from, self.model, self.updater, self)
+            done = self.resume_from.step
             if dist.is_main:  # the rules' state (peaks, persistence, baselines) of the kept steps
-                catch_up(out, monitor, below_step=start)
+                catch_up(out, monitor, below_step=done + 1)
         if not dist.is_main:
             writer = NullWriter()
-        elif cfg.resume:
-            writer = RunWriter.resume(out, keep_below_step=start)
+        elif cfg.resume:  # keeps the rows the checkpoint covers (all of them: checked), drops the rest
+            writer = RunWriter.resume(out, keep_below_step=0 if done is None else done + 1,
+                                      config=self.stored_config())
         else:
             writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
+            clear_resume_points(ckpt_dir)  # an earlier run's, replaced with --overwrite
         if dist.is_main and cfg.log_to:
             writer = self._with_sinks(writer)
         monitor.writer = writer if dist.is_main else None
         with writer:
-            if start == 1:
+            if done is None:
                 evals = self.evaluate()
                 writer.log_eval(0, evals)
                 monitor.evals(0, evals)
-                if self._after(0, monitor, writer, ckpt_dir, scheduled=False):
+                if self._after(0, monitor, writer, ckpt_dir, scheduled=True):
                     return out  # stopped by the base evaluation: nothing trained
-            for step in range(start, cfg.steps + 1):
+            for step in range((done or 0) + 1, cfg.steps + 1):
                 metrics = self.train_step(step, writer, monitor)
                 if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
                     evals = self.evaluate()
@@ -211,19 +257,20 @@ class Trainer:
 
     def _after(self, step: int, monitor: Monitor, writer: RunWriter, ckpt_dir: Path, scheduled: bool) -> Alert | None:
         """End of a step on every rank: rank 0's alert requests are broadcast (one collective), an
-        alert checkpoint is saved to ``step<N>/``, ``latest/`` when scheduled or stopping; returns
-        the alert that stops the run, after recording the ``stop`` event."""
+        alert checkpoint is saved to ``step<N>/``, the ``stop`` event recorded, ``latest/`` saved when
+        scheduled or stopping (each checkpoint after flushing every row of the step); returns the
+        alert that stops the run."""
         stop, asked = self.dist.broadcast((monitor.stop_requested, self._checkpoint_for))
         self._checkpoint_for = None
         if asked is not None:
-            path = save_checkpoint(ckpt_dir, step, self.model, self.updater, self, name=f"step{step}")
+            path = save_checkpoint(ckpt_dir, step, self.model, self.updater, self, writer, name=f"step{step}")
             if self.dist.is_main:
                 monitor.checkpointed(asked, path)
-        if scheduled or stop:
-            save_checkpoint(ckpt_dir, step, self.model, self.updater, self)
-        if stop:
+        if stop:  # the last event, before latest/ (which must cover it)
             self.stopped_by, self.stopped_after = stop, step
             writer.log_event(step, "stop", f"stopped after step {step} by [{stop.rule.label}]", severity="warning")
+        if scheduled or stop:
+            save_checkpoint(ckpt_dir, step, self.model, self.updater, self, writer)
         return stop
 
     def _monitor(self, ckpt_dir: Path) -> Monitor:

@@ -64,10 +64,11 @@ straight to the store's coordinates.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -734,6 +735,23 @@ class HooksMethod(GramMethod):
 
     def abort(self) -> None:
         self._reset()  # .grad already holds what the ordinary backward(s) left
+
+    def state_dict(self) -> dict[str, Any]:
+        """The self-check's schedule and outcome, the fallback count and the layers' verified batch
+        dimensions (by layer name)."""
+        return {"failed_check": self.failed_check, "fallback_calls": self.fallback_calls,
+                "steps_since_check": self._steps_since_check,
+                "batch_dims": {layer.name: layer.batch_dim for layer in self.layers if layer.batch_dim is not None}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        layers = {layer.name: layer for layer in self.layers}
+        if not set(state["batch_dims"]) <= set(layers):
+            raise ProbeError(f"hooks: the saved state names layers this model lacks: "
+                             f"{sorted(set(state['batch_dims']) - set(layers))}")
+        self.failed_check, self.fallback_calls = bool(state["failed_check"]), int(state["fallback_calls"])
+        self._steps_since_check = state["steps_since_check"]
+        for name, dim in state["batch_dims"].items():
+            layers[name].batch_dim = dim
 
     def close(self) -> None:
         for handle in self._handles:

@@ -9,9 +9,10 @@ With a :class:`~gradscope.probe.store.Store` (sketch mode, data parallelism), ``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,6 +91,14 @@ class GramMethod(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Leave ``.grad`` as an unprobed step interrupted at this point would have."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the method carries from step to step (plain Python values), for a checkpoint: a
+        method restored with :meth:`load_state_dict` measures the next steps as this one would."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (of a method of the same kind on the same model)."""
 
     def close(self) -> None:
         """Release whatever the method attached to the model (hooks); the method is unusable afterwards."""

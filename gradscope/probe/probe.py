@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -250,6 +251,19 @@ class Probe:
     def update_unit(self) -> str | None:
         """``"role"`` / ``"agent"`` once an optimizer is attached, else None."""
         return None if self._updates is None else self._updates.unit
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the probe carries from step to step (the method's self-check schedule and outcome,
+        its verified layer dimensions), plain Python values for a checkpoint."""
+        return {"method": self.method_name, "state": self._method.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output: the next steps are measured as the saved probe's would
+        be (a resumed run's ``/steps/method`` as an uninterrupted one's). ProbeError for another method's."""
+        if state["method"] != self.method_name:
+            raise ProbeError(f"the saved probe state is of method {state['method']!r}, this probe uses "
+                             f"{self.method_name!r}")
+        self._method.load_state_dict(state["state"])
 
     def close(self) -> None:
         """Remove whatever the probe attached: the hooks method's layer hooks, the optimizers' step hooks."""

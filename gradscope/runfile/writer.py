@@ -28,7 +28,7 @@ import numpy as np
 from h5py import h5s
 
 from gradscope.errors import RunFileError
-from gradscope.paths import check_output
+from gradscope.paths import check_output, fsync
 from gradscope.runfile import schema
 from gradscope.runfile.reader import RunReader, is_run_file, open_run
 from gradscope.runfile.schema import RunMeta
@@ -76,14 +76,6 @@ def _as_int(value: Any, what: str) -> int:
         return int(value.__index__())  # ints and numpy integers, never floats or strings
     except (AttributeError, TypeError):
         raise ValueError(f"{what} must be an integer, got {value!r}") from None
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _as_array(value: Any, dtype: type, what: str) -> np.ndarray:
@@ -479,7 +471,7 @@ class RunWriter:
 
     @classmethod
     def resume(cls, path: str | os.PathLike[str], *, keep_below_step: int,
-               flush_every: int | None = None) -> RunWriter:
+               flush_every: int | None = None, config: Mapping[str, Any] | None = None) -> RunWriter:
         """Continue the run in ``path`` after a restart, keeping what was logged below a step.
 
         For a trainer restarted from the checkpoint of training step ``keep_below_step``: the new
@@ -489,6 +481,8 @@ class RunWriter:
         writer appends after the kept records: the next default ``opt_step`` is the last kept one
         + 1 and ``time`` continues from the last kept time (the downtime is not counted). An event
         of kind ``"resume"`` at step ``keep_below_step`` says how many rows were kept and dropped.
+        ``keep_below_step=0`` keeps only the metadata (a trainer killed before its first checkpoint
+        starts over).
 
         The old file may have been closed cleanly or left behind by a killed writer (its writer
         must not be running any more). A killed writer's file cannot be reopened for writing, so
@@ -500,6 +494,8 @@ class RunWriter:
             path: the run file to continue.
             keep_below_step: first training step to drop (and to be logged again).
             flush_every: records per flush; default: the old file's ``flush_every``.
+            config: replaces the stored ``RunMeta.config`` (a resumed trainer's settings, e.g. a
+                new step count); default: the old file's.
 
         Raises:
             RunFileError: the old file cannot be read as a run file, is of a newer schema, or the
@@ -523,14 +519,14 @@ class RunWriter:
                     raise RunFileError(f"{path}: schema version {old.schema_version} is newer than this "
                                        f"gradscope writes ({schema.SCHEMA_VERSION}); resume it with a "
                                        f"newer gradscope")
-                meta = old.meta
+                meta = old.meta if config is None else dataclasses.replace(old.meta, config=dict(config))
                 if flush_every is None:
                     flush_every = meta.flush_every if meta.flush_every >= 1 else 10
                 w = cls(tmp, meta, flush_every)
                 message = w._copy_below(old, keep)
             w.log_event(keep, "resume", message)
             w.flush()
-            _fsync(tmp)
+            fsync(tmp)
             with contextlib.suppress(OSError):
                 shutil.copymode(path, tmp)
             os.replace(tmp, path)
@@ -545,7 +541,7 @@ class RunWriter:
             raise
         w.path = path
         with contextlib.suppress(OSError):  # make the rename durable, where the OS allows
-            _fsync(os.path.dirname(os.path.abspath(path)))
+            fsync(os.path.dirname(os.path.abspath(path)))
         return w
 
     def _copy_below(self, old: RunReader, keep: int) -> str:
@@ -606,6 +602,14 @@ class RunWriter:
         """Records on disk and announced in ``/committed`` (what a reader or a crash keeps)."""
         return self._n_steps
 
+    @property
+    def committed(self) -> dict[str, int]:
+        """Rows on disk and announced in ``/committed``, per counter (``n_steps``, ``n_evals``,
+        ``n_events``, ``n_metrics``): after :meth:`flush`, everything logged so far. A trainer
+        stores them with its checkpoint; :func:`committed_below` counts them again on resume."""
+        return {"n_steps": self._n_steps,
+                **{schema.TABLES[name][1]: t.n for name, t in self._tables.items()}}
+
     def __enter__(self) -> RunWriter:
         return self
 
@@ -624,6 +628,13 @@ class RunWriter:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.n_steps} records, {self._n_steps} committed"
         return f"RunWriter({self.path!r}, {state})"
+
+
+def committed_below(run: RunReader, step: int) -> dict[str, int]:
+    """Committed rows of ``run`` with a step below ``step``, per counter of :attr:`RunWriter.committed`."""
+    return {"n_steps": int(np.count_nonzero(run.step < step)),
+            **{counter: int(np.count_nonzero(run.read_table(name)["step"] < step))
+               for name, (_, counter) in schema.TABLES.items()}}
 
 
 def check_overwrite(path: str | os.PathLike[str]) -> None:

@@ -2,6 +2,8 @@
 split, per-row and scalar losses, and the method each record says measured it."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -246,6 +248,49 @@ def test_check_schedule():
     assert methods(2) == ["hooks+check", "hooks", "hooks+check", "hooks"]
     assert methods(None) == ["hooks"] * 4
     assert methods(0, scalar_first=True) == ["hooks", "hooks+check", "hooks", "hooks"]
+
+
+def test_probe_state_continues_the_check_schedule_and_its_outcome():
+    """A probe restored from another's state_dict (a resumed trainer's) records what the saved probe
+    would have: the check schedule continues (a fresh probe would check at once), a failed check
+    keeps split."""
+    model = lora_model("sp", torch.float32)
+    call = LMCase(model, "sp").call(list(range(8)))
+
+    def methods(probe, steps):
+        out = []
+        for step in steps:
+            model.zero_grad(set_to_none=True)
+            with probe.step(step) as s:
+                loss, ids = call(s)
+                s.backward_tokens(loss, ids)
+            out.append(s.result.method)
+        probe.close()
+        return out
+    first = Probe(model, AGENTS, ROLES, check_every=3)
+    assert methods(first, [0, 1]) == ["hooks+check", "hooks"]
+    resumed = Probe(model, AGENTS, ROLES, check_every=3)
+    resumed.load_state_dict(first.state_dict())
+    assert methods(resumed, [2, 3, 4]) == ["hooks", "hooks+check", "hooks"]
+    assert methods(Probe(model, AGENTS, ROLES, check_every=3), [2, 3, 4]) == ["hooks+check", "hooks", "hooks"]
+
+    layer, params, forward, agent_ids, expected = seq_first_case(T=4)
+    failed = Probe(layer, AGENTS, ROLES, params=params)
+    with pytest.warns(RuntimeWarning, match="sequence-first"), failed.step(0) as s:
+        s.backward_tokens(forward(), agent_ids)
+    assert s.result.method == "split-fallback:check-failed"
+    again = Probe(layer, AGENTS, ROLES, params=params)
+    again.load_state_dict(failed.state_dict())
+    layer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no check again (a fresh probe's would fail and warn)
+        with again.step(1) as s:
+            s.backward_tokens(forward(), agent_ids)
+    assert s.result.method == "split-fallback:check-failed" and not s.result.warnings
+    assert rel_err(s.result.gram, expected) < 1e-10
+    with pytest.raises(ProbeError, match="of method 'hooks'"):
+        Probe(layer, AGENTS, ROLES, params=params, method="split").load_state_dict(failed.state_dict())
+    failed.close(), again.close()
 
 
 # ---------------------------------------------------------------- per-row and scalar losses
