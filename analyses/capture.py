@@ -6,6 +6,12 @@ apart are one finding. The finding says whether the role's per-token
 gradient or only its token count explains the dominance, and reports the text-side signature from
 the evaluation records: other roles' output lengths drifting toward the dominant role's, and their
 format validity falling.
+
+With update attribution (``--probe-updates``) the same window rule runs on the role's **update share**
+``<Δθ_r, Δθ>/‖Δθ‖²`` too — what AdamW actually applied, which can differ from the gradient share
+because every role's part of the step is divided by the same ``√v``. Every finding reports both means
+and their difference (``measured_by`` says which share crossed the threshold); an episode the update
+share finds where the gradient share does not is a finding of its own.
 """
 from __future__ import annotations
 
@@ -26,31 +32,53 @@ def detect_capture(series: RunSeries, cfg: CaptureConfig = CaptureConfig()) -> l
         return out
     for policy, roles in series.shared_sets.items():
         st = series.set_stats(policy)
-        fair = 1.0 / len(roles)
+        measures = {"gradient share": st["share"]}
+        if "update_share" in st:
+            measures["update share"] = st["update_share"]
         for j, role in enumerate(roles):
-            share = st["share"][:, j]
-            qualifies = sustained(share >= cfg.share, cfg.window, cfg.fraction)
-            for a, b in merge_close(episodes(qualifies, cfg.window), series.steps, cfg.gap):
-                seg = slice(a, b + 1)
-                onset = a + int(np.argmax(share[seg] >= cfg.share))
-                tok, per_tok = float(np.nanmean(st["token_share"][seg, j])), float(np.nanmean(st["per_token_share"][seg, j]))
-                by_tokens, by_grad = tok >= fair + cfg.excess, per_tok >= fair + cfg.excess
-                explained = {(True, True): "both", (True, False): "token count",
-                             (False, True): "per-token gradient", (False, False): "neither"}[(by_tokens, by_grad)]
-                steps = series.steps
-                mean_share = float(np.nanmean(share[seg]))
-                # Dominance by token count alone is the workflow's shape (3 voters write 3× the
-                # tokens), not a change in per-token dynamics: report it, at low severity.
-                severity = "info" if explained == "token count" else "critical" if mean_share >= 0.9 else "warning"
-                out.append(Finding(
-                    kind="capture", severity=severity,
-                    summary=(f"'{role}' dominates the shared parameters '{policy}' (share {mean_share:.2f}) "
-                             f"from step {steps[onset]}; explained by {explained}"),
-                    onset=int(steps[onset]), start=int(steps[a]), end=int(steps[b]), role=role, policy=policy,
-                    evidence={"mean_share": mean_share, "token_share": tok, "per_token_share": per_tok,
-                              "explained_by": explained, "roles_in_set": list(roles),
-                              "text_signature": text_signature(series.evals, role, roles, int(steps[onset]))}))
+            by_gradient: list[tuple[int, int]] = []
+            for measure, values in measures.items():
+                share = values[:, j]
+                qualifies = sustained(share >= cfg.share, cfg.window, cfg.fraction)
+                for a, b in merge_close(episodes(qualifies, cfg.window), series.steps, cfg.gap):
+                    if measure == "update share" and any(a <= d and c <= b for c, d in by_gradient):
+                        continue  # the gradient share's finding of this episode reports the update share
+                    if measure == "gradient share":
+                        by_gradient.append((a, b))
+                    onset = a + int(np.argmax(share[a:b + 1] >= cfg.share))
+                    out.append(_finding(series, st, policy, roles, j, measure, a, b, onset, cfg))
     return out
+
+
+def _finding(series: RunSeries, st: dict, policy: str, roles: list[str], j: int, measure: str, a: int, b: int,
+             onset: int, cfg: CaptureConfig) -> Finding:
+    """Role ``roles[j]`` dominating ``policy``'s update over steps ``a..b`` (indices), by ``measure``."""
+    role, seg, steps = roles[j], slice(a, b + 1), series.steps
+    fair = 1.0 / len(roles)
+    tok, per_tok = float(np.nanmean(st["token_share"][seg, j])), float(np.nanmean(st["per_token_share"][seg, j]))
+    by_tokens, by_grad = tok >= fair + cfg.excess, per_tok >= fair + cfg.excess
+    explained = {(True, True): "both", (True, False): "token count",
+                 (False, True): "per-token gradient", (False, False): "neither"}[(by_tokens, by_grad)]
+    mean_share = float(np.nanmean(st["share"][seg, j]))
+    evidence = {"measured_by": measure, "mean_share": mean_share}
+    if "update_share" in st:
+        mean_update = float(np.nanmean(st["update_share"][seg, j]))
+        evidence.update(mean_update_share=mean_update, update_minus_gradient_share=mean_update - mean_share)
+    dominant = evidence["mean_update_share"] if measure == "update share" else mean_share
+    # Dominance by token count alone is the workflow's shape (3 voters write 3× the
+    # tokens), not a change in per-token dynamics: report it, at low severity.
+    severity = "info" if explained == "token count" else "critical" if dominant >= 0.9 else "warning"
+    what = (f"the shared parameters '{policy}' (share {mean_share:.2f}" if measure == "gradient share" else
+            f"the update of the shared parameters '{policy}' (update share {dominant:.2f}, gradient share "
+            f"{mean_share:.2f}")
+    if measure == "gradient share" and "mean_update_share" in evidence:
+        what += f", update share {evidence['mean_update_share']:.2f}"
+    evidence.update(token_share=tok, per_token_share=per_tok, explained_by=explained, roles_in_set=list(roles),
+                    text_signature=text_signature(series.evals, role, roles, int(steps[onset])))
+    return Finding(kind="capture", severity=severity,
+                   summary=f"'{role}' dominates {what}) from step {steps[onset]}; explained by {explained}",
+                   onset=int(steps[onset]), start=int(steps[a]), end=int(steps[b]), role=role, policy=policy,
+                   evidence=evidence)
 
 
 def text_signature(evals: pd.DataFrame, dominant: str, roles: list[str], onset: int) -> dict[str, dict[str, float]]:

@@ -12,6 +12,7 @@ from gradscope.analyses.findings import Finding, Report
 from gradscope.analyses.series import RunSeries
 from gradscope.analyses.thresholds import AnalysisConfig
 from gradscope.labels import MISSING, describe, is_missing, number, text
+from gradscope.stats import norm_shares
 
 KINDS = ("amplification", "capture", "cliff")
 
@@ -70,7 +71,44 @@ def summarize(series: RunSeries) -> dict:
                 j = int(np.nanargmax(mean))
                 shares[policy] = {"role": str(st["roles"][j]), "mean_share": float(mean[j])}
         out["dominant_share"] = shares
+    if series.has_updates and len(series.gram):
+        out["updates"] = update_summary(series)
     return out
+
+
+def update_summary(series: RunSeries) -> dict:
+    """Gradient against update, per role (means over the training steps): mass shares of the per-step role
+    norms (every run), and for each shared parameter set the signed gradient and update shares."""
+    grad_mass, update_mass = norm_shares(series.role_norm), norm_shares(series.role_update_norm)
+    roles = {role: {"gradient_norm": _nanmean(series.role_norm[:, r]),
+                    "update_norm": _nanmean(series.role_update_norm[:, r]),
+                    "gradient_mass_share": _nanmean(grad_mass[:, r]),
+                    "update_mass_share": _nanmean(update_mass[:, r])} for r, role in enumerate(series.roles)}
+    sets = {}
+    for policy, members in series.shared_sets.items():
+        st = series.set_stats(policy)
+        sets[policy] = {role: {"gradient_share": _nanmean(st["share"][:, j]),
+                               "update_share": _nanmean(st["update_share"][:, j])} for j, role in enumerate(members)}
+    return {"roles": roles, "shared_sets": sets}
+
+
+def _nanmean(x: np.ndarray) -> float:
+    return float(np.nanmean(x)) if np.isfinite(x).any() else float("nan")
+
+
+def _update_lines(s: dict) -> list[str]:
+    """The summary's gradient-vs-update comparison as readable lines (none without update attribution)."""
+    if "updates" not in s:
+        return []
+    u = s["updates"]
+    lines = ["gradient → update mass share: " + ", ".join(
+        f"{role} {number(v['gradient_mass_share'], '.2f')} → {number(v['update_mass_share'], '.2f')}"
+        for role, v in u["roles"].items())]
+    for policy, roles in u["shared_sets"].items():
+        lines.append(f"gradient → update share in '{policy}': " + ", ".join(
+            f"{role} {number(v['gradient_share'], '.2f')} → {number(v['update_share'], '.2f')}"
+            for role, v in roles.items()))
+    return lines
 
 
 # ------------------------------------------------------------------ rendering
@@ -121,6 +159,7 @@ def to_markdown(report: Report, max_per_kind: int | None = MAX_PER_KIND) -> str:
     lines = [f"## gradscope analysis: `{report.run}`", "", run]
     if accuracy:
         lines.append(accuracy)
+    lines += [f"{line}  " for line in _update_lines(report.summary)]
     lines += ["", "| kind | severity | role | steps | finding |", "|---|---|---|---|---|"]
     for f in findings:
         lines.append(f"| {f.kind} | {f.severity} | {text(f.role)} | {f.start}–{f.end} (onset {f.onset}) | "
@@ -151,6 +190,8 @@ def to_text(report: Report, max_per_kind: int | None = MAX_PER_KIND) -> str:
     console.print(escape(f"  {run}"))
     if accuracy:
         console.print(escape(f"  {accuracy}"))
+    for line in _update_lines(report.summary):
+        console.print(escape(f"  {line}"))
     if not report.findings:
         console.print("  no pathology found")
     for f in findings:

@@ -35,6 +35,8 @@ class RunSeries:
         metrics: wide per-training-step metrics (``update_norm/<policy>``, ...); may be empty.
         config: the run's config (workflow, policy, model...), for reports.
         name: a label (usually the file path).
+        update_gram, update_interference: (N, C, C), (N, C, K) update attribution (NaN where a record
+            has none), or None when the run has none; update_unit: ``"role"`` / ``"agent"`` / ``""``.
     """
 
     agents: list[str]
@@ -47,6 +49,9 @@ class RunSeries:
     metrics: pd.DataFrame = field(default_factory=pd.DataFrame)
     config: dict = field(default_factory=dict)
     name: str = ""
+    update_gram: np.ndarray | None = None
+    update_interference: np.ndarray | None = None
+    update_unit: str = ""
     _set_stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -54,7 +59,8 @@ class RunSeries:
         return cls(agents=list(run.meta.agents), agent_roles=list(run.meta.agent_roles), gram=run.gram,
                    record_step=np.asarray(run.step), record_policy=np.array([p or "" for p in run.policy], dtype=str),
                    tokens=run.tokens, evals=run.evals_wide(), metrics=run.metrics_wide(),
-                   config=dict(run.meta.config or {}), name=name)
+                   config=dict(run.meta.config or {}), name=name, update_gram=run.update_gram,
+                   update_interference=run.update_interference, update_unit=run.meta.update_unit)
 
     # ------------------------------------------------------------------ structure
     @cached_property
@@ -145,9 +151,40 @@ class RunSeries:
         roles = self.role_sets[policy]
         mask = (self.record_policy == ("" if policy == "all" else policy))[:, None]
         per_record = steps.shared_set_stats(self.gram, self.tokens, self.agent_roles, roles)
+        if self.has_updates:
+            per_record["update_share"] = steps.set_update_shares(self.update_gram, self.unit_roles, self.roles, roles)
         out = {name: self.per_step(values, mask) for name, values in per_record.items()}
         out["roles"] = np.array(roles)
         return out
+
+    # ------------------------------------------------------------------ update attribution
+    @property
+    def has_updates(self) -> bool:
+        """Whether the run recorded update attribution (``update_share`` joins :meth:`set_stats`)."""
+        return self.update_gram is not None and bool(self.update_unit)
+
+    @cached_property
+    def unit_roles(self) -> list[str]:
+        """The role of each unit of the update components (roles, or agents' roles)."""
+        return self.roles if self.update_unit == "role" else self.agent_roles
+
+    @cached_property
+    def update_Q(self) -> np.ndarray:
+        """(C, R + 2) component indicator (:func:`gradscope.stats.update_indicator`)."""
+        return stats.update_indicator(self.unit_roles, self.roles)[0]
+
+    @cached_property
+    def role_update_norm(self) -> np.ndarray:
+        """(T, R) per-role update norm ‖Δθ_r‖, mean over records where the role has a gradient."""
+        norms = stats.role_norms(self.update_gram, self.update_Q)[:, :len(self.roles)]
+        return self.per_step(norms, self.record_role_norm > 0)
+
+    @cached_property
+    def role_interference(self) -> np.ndarray:
+        """(T, R + 2, R) ``<Δθ_a, g_s>`` by component a (roles, unattributed, weight decay) and role s:
+        mean over a step's records in which a's role has a gradient (the extras: every record)."""
+        per_record = stats.interference(self.update_interference, self.update_Q, self.P)
+        return self.per_step(per_record, steps.component_present(self.record_role_norm)[:, :, None])
 
     @cached_property
     def accuracy(self) -> pd.Series:

@@ -15,8 +15,8 @@ def _load(name: str):
 
 
 def main() -> None:
-    for name in ("bench_writer", "bench_analyze", "bench_probe", "bench_peers", "bench_alerts", "comm_volume",
-                 "bench_sandbox", "bench_scales"):
+    for name in ("bench_writer", "bench_analyze", "bench_probe", "bench_peers", "bench_updates", "bench_alerts",
+                 "comm_volume", "bench_sandbox", "bench_scales"):
         print(f"== {name}")
         _load(name).main()
 

@@ -16,7 +16,8 @@ from gradscope.figures.shares import shares_figure
 from gradscope.figures.style import POLICY_COLORS, ROLE_COLORS, WIDTHS, role_color, save, theme
 from gradscope.figures.sweep import sweep_figure
 from gradscope.figures.table import format_table, summary_table
+from gradscope.figures.updates import updates_figure
 
 __all__ = ["POLICY_COLORS", "ROLE_COLORS", "WIDTHS", "alignment_figure", "cliff_figure", "demo_figures",
            "format_table", "ip_vs_sp_figure", "role_color", "save", "shares_figure", "summary_table",
-           "sweep_figure", "theme"]
+           "sweep_figure", "theme", "updates_figure"]

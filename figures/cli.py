@@ -4,7 +4,8 @@ Imported only by the command handlers in ``gradscope/cli.py`` (the parser never 
 matplotlib). Bad input raises a GradscopeError, which the command line prints as one line with
 exit code 2: a missing or unreadable run file, an unknown format, a single-run figure given
 several runs, a figure that needs data the run lacks entirely (shares of an IP run or a run
-without gradient records, ip-vs-sp without evaluations or across workflows). A *panel* of the
+without gradient records, ip-vs-sp without evaluations or across workflows, updates of a run
+without update attribution). A *panel* of the
 cliffs figure whose data a run lacks is drawn and marked "no data" instead (docs/figures.md).
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ from gradscope.figures.style import parse_formats, save  # noqa: E402
 from gradscope.errors import ConfigError  # noqa: E402
 from gradscope.paths import atomic_output  # noqa: E402
 
-KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep")
-SINGLE = ("shares", "alignment")
+KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep", "updates")
+SINGLE = ("shares", "alignment", "updates")
 
 
 def _load(paths: list[str]) -> list:
@@ -61,6 +62,7 @@ def make_figure(kind: str, series: list, args: argparse.Namespace):
     from gradscope.figures.ipsp import ip_vs_sp_figure
     from gradscope.figures.shares import shares_figure
     from gradscope.figures.sweep import sweep_figure
+    from gradscope.figures.updates import updates_figure
 
     if kind == "cliffs":
         return cliff_figure(series, size=args.size, smooth=args.smooth)
@@ -70,6 +72,8 @@ def make_figure(kind: str, series: list, args: argparse.Namespace):
         return shares_figure(series[0], size=args.size, smooth=args.smooth)
     if kind == "alignment":
         return alignment_figure(series[0], steps=_steps(args.steps), window=args.window, size=args.size)
+    if kind == "updates":
+        return updates_figure(series[0], size=args.size, smooth=args.smooth)
     return sweep_figure(series, metric=args.metric, size=args.size)
 
 

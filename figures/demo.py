@@ -20,7 +20,8 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
 
     Writes ``cliffs`` (every run, one column each), ``ip_vs_sp`` (for runs that differ only in their
     policy, when both policies are there; ``ip_vs_sp_2``... for further such groups),
-    ``<run>_shares`` for each SP run, ``<run>_alignment`` for each run, and the summary table
+    ``<run>_shares`` for each SP run, ``<run>_alignment`` for each run, ``<run>_updates`` for each run
+    with update attribution, and the summary table
     ``summary.md``. A figure that does not apply (e.g. shares of an IP run) is skipped and
     ``on_skip`` is told why; unreadable run files raise RunFileError. Returns the paths written.
     """
@@ -29,6 +30,7 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
     from gradscope.figures.ipsp import ip_vs_sp_figure
     from gradscope.figures.shares import shares_figure
     from gradscope.figures.table import format_table, summary_table
+    from gradscope.figures.updates import updates_figure
 
     series = [data.load(p)[0] for p in paths]
     if not series:
@@ -53,6 +55,8 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
         if s.shared_sets:
             attempt(f"{data.stem(s)}_shares", lambda s=s: shares_figure(s))
         attempt(f"{data.stem(s)}_alignment", lambda s=s: alignment_figure(s))
+        if s.has_updates:
+            attempt(f"{data.stem(s)}_updates", lambda s=s: updates_figure(s))
     table = out / "summary.md"
     table.write_text(format_table(summary_table(series), "md"))
     written.append(table)

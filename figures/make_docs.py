@@ -25,6 +25,7 @@ from gradscope.figures.shares import shares_figure  # noqa: E402
 from gradscope.figures.style import save  # noqa: E402
 from gradscope.figures.sweep import sweep_figure  # noqa: E402
 from gradscope.figures.table import format_table, summary_table  # noqa: E402
+from gradscope.figures.updates import updates_figure  # noqa: E402
 
 DPI = 200
 
@@ -46,6 +47,9 @@ def make(ip: list[str], sp: list[str], cliff: list[str], out: Path) -> list[Path
     last = int(sps[0].steps[-1])
     put(alignment_figure(sps[0], steps=[10, last // 2, last], window=10), "alignment_steps")
     put(sweep_figure([*ips, *sps]), "sweep")
+    for name, runs in (("updates", sps), ("updates_ip", ips)):  # runs trained with --probe-updates
+        if runs[0].has_updates:
+            put(updates_figure(runs[0], smooth=5), name)
     table = out / "summary.md"
     table.write_text(format_table(summary_table([*ips, *sps, *hot]), "md"))
     written.append(table)

@@ -179,12 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also exit after this many seconds without new data (0: wait for the writer)")
     p.set_defaults(func=_cmd_watch)
 
-    p = sub.add_parser("plot", help="paper-style figures: cliffs, ip-vs-sp, shares, alignment, sweep",
+    p = sub.add_parser("plot", help="paper-style figures: cliffs, ip-vs-sp, shares, alignment, sweep, updates",
                        description="Draw a figure from run files and print the paths written (docs/figures.md).")
-    p.add_argument("kind", choices=("cliffs", "ip-vs-sp", "shares", "alignment", "sweep"),
+    p.add_argument("kind", choices=("cliffs", "ip-vs-sp", "shares", "alignment", "sweep", "updates"),
                    help="cliffs: dynamics around an accuracy cliff (one column per run); ip-vs-sp: accuracy of "
                         "IP and SP side by side; shares: who drives a shared update (one SP run); alignment: "
-                        "agent cosine heatmap (one run); sweep: improvement over base by workflow x task x scale")
+                        "agent cosine heatmap (one run); sweep: improvement over base by workflow x task x scale; "
+                        "updates: gradient vs update share per role and the interference matrix (one run "
+                        "with --probe-updates)")
     p.add_argument("runs", nargs="+", help="run files (.h5), or sweep folders (their finished runs)")
     p.add_argument("--out", default=None, help="output path stem (default: next to the first run, <run>_<kind>)")
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg")

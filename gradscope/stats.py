@@ -13,6 +13,11 @@ Conventions shared by every function (formulas and a table of degenerate values:
 * Degenerate cases (zero vectors, zero total, no tokens, roles without peers) have defined values
   and raise no floating-point warnings: bad steps are zeroed before any arithmetic and every
   division is masked, which is why no ``np.errstate`` is needed.
+
+Update attribution (``gradscope.probe.updates``) stores, per optimizer step, the Gram ``U`` of the
+update's C components (units — roles or agents — then :data:`UPDATE_EXTRAS`) and the interference
+matrix ``I`` (C x K, ``I_al = <Δθ_a, g_l>``). The same functions apply to ``U`` with the component
+indicator of :func:`update_indicator` in place of ``P``; :func:`derive_updates` names the columns.
 """
 
 from __future__ import annotations
@@ -23,15 +28,19 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "UPDATE_EXTRAS",
     "agent_norms",
     "amplification_factor",
     "coherence",
     "contribution_shares",
     "cosine",
     "derive",
+    "derive_updates",
     "finite_mask",
+    "interference",
     "mass_shares",
     "noise_scale",
+    "norm_shares",
     "per_token_shares",
     "role_gram",
     "role_indicator",
@@ -39,7 +48,12 @@ __all__ = [
     "signal_fraction",
     "token_shares",
     "total_norm",
+    "update_indicator",
 ]
+
+#: The update components after the units: the part of Adam's first moment that no probed step
+#: explains, and the weight-decay term.
+UPDATE_EXTRAS = ("unattributed", "weight_decay")
 
 # Relative to the summed squared role norms, a smaller total means the roles cancel to rounding
 # error; shares of such a step would be ratios of noise.
@@ -240,6 +254,15 @@ def mass_shares(M: ArrayLike, P: ArrayLike) -> np.ndarray:
     return _nan_where_bad(_normalise(_sqrt_diag(_role_gram(Mc, P))), ok, 1)
 
 
+def norm_shares(norms: ArrayLike) -> np.ndarray:
+    """(..., R) ``x_r / Σ_s x_s`` of per-role norms (gradient or update) given directly, e.g. per-step
+    means; all 0 when every norm is 0, NaN where any is non-finite. ``mass_shares(M, P)`` is
+    ``norm_shares(role_norms(M, P))``."""
+    x = np.asarray(norms, dtype=np.float64)
+    ok = np.asarray(np.isfinite(x).all(axis=-1))
+    return _nan_where_bad(_normalise(np.where(ok[..., None], x, 0.0)), ok, 1)
+
+
 def token_shares(tokens: ArrayLike, P: ArrayLike) -> np.ndarray:
     """(..., R) token shares ``n_r / sum n`` from per-agent token counts ``tokens`` (..., K).
 
@@ -373,6 +396,63 @@ def derive(
 
     ok = finite_mask(M) & np.isfinite(t).all(axis=-1)
     return {n: np.broadcast_to(np.where(ok, v, np.nan), steps).copy() for n, v in cols.items()}
+
+
+def update_indicator(unit_roles: Sequence[str], roles: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+    """(C, R + 2) one-hot map of the update components onto ``roles + UPDATE_EXTRAS``, and those names.
+
+    ``unit_roles`` (U = C - 2) is the role of each unit: ``roles`` themselves when updates were split
+    by role, ``agent_roles`` when by agent. ``role_gram(U, Q)``, ``role_norms``, ``contribution_shares``
+    and ``cosine`` then give the update's per-role Gram, norms, shares and cosines.
+    """
+    P, names = role_indicator(list(unit_roles), list(roles))
+    Q = np.zeros((P.shape[0] + len(UPDATE_EXTRAS), P.shape[1] + len(UPDATE_EXTRAS)))
+    Q[:P.shape[0], :P.shape[1]] = P
+    Q[P.shape[0]:, P.shape[1]:] = np.eye(len(UPDATE_EXTRAS))
+    return Q, [*names, *UPDATE_EXTRAS]
+
+
+def interference(I: ArrayLike, Q: ArrayLike, P: ArrayLike) -> np.ndarray:
+    """(..., R + 2, R) ``Qᵀ I P``: entry (a, s) is ``<Δθ_a, g_s>``, the first-order change of role s's
+    loss caused by component a of the update (negative: a lowers s's loss, i.e. helps s).
+
+    ``I`` (..., C, K) per-component, per-agent interference; ``Q`` (C, R + 2) from
+    :func:`update_indicator`; ``P`` (K, R) the agent->role indicator. NaN for a step with a
+    non-finite entry.
+    """
+    I = np.asarray(I, dtype=np.float64)
+    Q = _indicator(Q, I.shape[-2] if I.ndim >= 2 else None)
+    P = _indicator(P, I.shape[-1] if I.ndim >= 2 else None)
+    ok = np.asarray(np.isfinite(I).all(axis=(-2, -1)))
+    return _nan_where_bad(Q.T @ np.where(ok[..., None, None], I, 0.0) @ P, ok, 2)
+
+
+def derive_updates(U: ArrayLike, I: ArrayLike, unit_roles: Sequence[str], agent_roles: Sequence[str],
+                   roles: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Update-attribution columns of shape ``U.shape[:-2]`` (one value per optimizer step).
+
+    ``U`` (..., C, C) component Gram, ``I`` (..., C, K) interference; ``unit_roles`` the role of each
+    unit (C - 2 of them); ``roles`` default to the order of first appearance in ``agent_roles``. Columns,
+    with c over ``roles + UPDATE_EXTRAS`` and r, s over roles: ``total_update_norm`` (``‖Δθ‖``),
+    ``role_update_norm/<c>``, ``update_share/<c>`` (``<Δθ_c, Δθ>/‖Δθ‖²``, sums to 1),
+    ``update_cos/<r>|<s>`` (upper triangle) and ``interference/<c>|<s>``. A step whose U holds a
+    non-finite entry is NaN in every column; interference columns are NaN where I is.
+    """
+    roles = list(dict.fromkeys(agent_roles)) if roles is None else list(roles)
+    U = _gram(U)
+    Q, names = update_indicator(unit_roles, roles)
+    P, _ = role_indicator(agent_roles, roles)
+    UR = role_gram(U, Q)
+    cols: dict[str, np.ndarray] = {"total_update_norm": total_norm(U)}
+    for name, values in (("role_update_norm", role_norms(U, Q)), ("update_share", contribution_shares(U, Q))):
+        cols.update({f"{name}/{c}": values[..., j] for j, c in enumerate(names)})
+    cos = cosine(UR)
+    for i, j in zip(*np.triu_indices(len(roles), k=1)):
+        cols[f"update_cos/{roles[i]}|{roles[j]}"] = cos[..., i, j]
+    inter = interference(I, Q, P)
+    for a, c in enumerate(names):
+        cols.update({f"interference/{c}|{r}": inter[..., a, s] for s, r in enumerate(roles)})
+    return {n: np.asarray(v, dtype=np.float64) for n, v in cols.items()}
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

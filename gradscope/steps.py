@@ -43,6 +43,12 @@ def present(role_norms: np.ndarray) -> np.ndarray:
     return np.nan_to_num(role_norms, nan=0.0) > 0
 
 
+def component_present(role_norms: np.ndarray) -> np.ndarray:
+    """(N, R + 2) bool: update components that count in a record — a role's where it has a gradient
+    (:func:`present`), the two extras (unattributed, weight decay) always."""
+    return np.concatenate([present(role_norms), np.ones((len(role_norms), len(stats.UPDATE_EXTRAS)), bool)], axis=1)
+
+
 def shared_set_stats(gram: np.ndarray, tokens: np.ndarray, agent_roles: list[str],
                      set_roles: list[str]) -> dict[str, np.ndarray]:
     """Per-record shares of the roles training one parameter set, each (N, R_set).
@@ -66,9 +72,10 @@ def step_columns(columns: Mapping[str, np.ndarray], gram: np.ndarray, record_ste
 
     A column's value at step t is the mean over t's records in which its subject has a gradient:
     ``norm/<agent>`` where the agent's norm is > 0, ``cos/<A>|<B>`` where both agents' are,
-    ``<statistic>/<role>`` where the role is :func:`present`, ``role_cos/<A>|<B>`` where both roles
-    are; ``total_norm`` (and any column of no agent or role) over all of t's records. Non-finite
-    values never count.
+    ``<statistic>/<role>`` where the role is :func:`present`, ``role_cos/<A>|<B>`` and
+    ``update_cos/<A>|<B>`` where both roles are, ``interference/<c>|<s>`` where c's role is;
+    ``total_norm`` (and any column of no agent or role: the update extras, ``total_update_norm``)
+    over all of t's records. Non-finite values never count.
 
     Args:
         columns: name → (N,) per-record values (``stats.derive`` of ``gram``).
@@ -82,12 +89,26 @@ def step_columns(columns: Mapping[str, np.ndarray], gram: np.ndarray, record_ste
     agent_on = np.nan_to_num(stats.agent_norms(gram), nan=0.0) > 0         # (N, K)
     role_on = present(stats.role_norms(gram, P))                           # (N, R)
     subjects = {"norm": {a: agent_on[:, k] for k, a in enumerate(agents)}}  # family → subject → (N,) mask
-    for family, names, on in (("cos", agents, agent_on), ("role_cos", roles, role_on)):
+    for family, names, on in (("cos", agents, agent_on), ("role_cos", roles, role_on), ("update_cos", roles, role_on)):
         subjects[family] = {f"{names[i]}|{names[j]}": on[:, i] & on[:, j]
                             for i, j in zip(*np.triu_indices(len(names), k=1))}
     of_role = {r: role_on[:, j] for j, r in enumerate(roles)}                # every other family
     out = {}
     for name, values in columns.items():
         family, _, subject = name.partition("/")
+        if family == "interference":  # <component>|<role>: where the component's role has a gradient
+            subject = subject.partition("|")[0]
         out[name] = step_mean(values, index, len(steps), subjects.get(family, of_role).get(subject))
     return steps, out
+
+
+def set_update_shares(update_gram: np.ndarray, unit_roles: list[str], roles: list[str],
+                      set_roles: list[str]) -> np.ndarray:
+    """(N, R_set) update shares ``<Δθ_r, Δθ>/‖Δθ‖²`` of the roles training one parameter set.
+
+    ``update_gram`` (N, C, C) update-component Grams, ``unit_roles`` the role of each of its units,
+    ``roles`` all roles. The share is of the whole update (weight decay and unattributed included), so
+    a set's role shares sum to 1 minus those two; roles outside the set move none of its parameters.
+    """
+    Q, names = stats.update_indicator(unit_roles, roles)
+    return stats.contribution_shares(update_gram, Q)[..., [names.index(r) for r in set_roles]]

@@ -114,6 +114,7 @@ def _write(folder: Path, final: Path, info: dict, model, updater, rng: list[dict
         "adapters": {n: p.detach().cpu() for ps in adapter_parameters(model).values() for n, p in ps},
         "optimizers": {a: opt.state_dict() for a, opt in updater.optimizers.items()},
         "coherence_ema": updater.coherence_ema,
+        "update_moments": updater.probe.update_state(),  # per-role first moments (--probe-updates)
         "world_size": info["world_size"],
         "rng": rng,  # one entry per rank: its random generators and probe state
     }, tmp / _PARTIAL)
@@ -155,6 +156,8 @@ def load_checkpoint(ckpt: Checkpoint, model, updater, trainer) -> None:
     for adapter, opt in updater.optimizers.items():
         opt.load_state_dict(state["optimizers"][adapter])
     updater.coherence_ema = state.get("coherence_ema", {})
+    if state.get("update_moments") is not None and updater.probe.update_unit:
+        updater.probe.load_update_state(state["update_moments"])
     rng = state["rng"][trainer.dist.rank]
     updater.rng.setstate(rng["updater_rng"])
     trainer.task_rng.setstate(rng["task_rng"])

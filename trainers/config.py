@@ -46,6 +46,8 @@ class TrainConfig:
     probe_every: int = flag(1, "probe every Kth training step (all its optimizer steps)")
     probe_sketch: int = flag(0, "sketch per-agent gradients to K numbers per parameter group (0: exact; "
                                 "for full fine-tuning, docs/distributed.md)")
+    probe_updates: str = flag("off", "split every AdamW step into per-role (role) or per-agent (agent) updates, "
+                                     "needs --probe-every 1 (off: no update attribution; docs/probe.md)")
     out: str = flag("run.h5", "run file to write")
     overwrite: bool = flag(False, "replace an existing run file")
     log_to: str = flag("", "also log to dashboards: tensorboard,wandb,mlflow (comma-separated; docs/integrations.md)")

@@ -46,7 +46,8 @@ def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0) -> list[Pa
                   f"{HOT['eval_every']} steps; watch the default alerts", flush=True)
         t0 = time.perf_counter()
         cfg = TrainConfig(workflow="voting", task="math", out=str(out_dir / f"{name}.h5"), overwrite=True,
-                          checkpoint_every=0, threads=threads, grpo=GRPOConfig(lr=settings.get("lr", 0.0)),
+                          checkpoint_every=0, threads=threads, probe_updates="role",
+                          grpo=GRPOConfig(lr=settings.get("lr", 0.0)),
                           **{k: v for k, v in settings.items() if k != "lr"})
         paths.append(run_with_progress(Trainer(cfg, verbose=True)))
         print(summary(paths[-1]) + f"\n  time      {time.perf_counter() - t0:.0f} s", flush=True)

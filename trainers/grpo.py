@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from gradscope.peft_support import use_adapter
-from gradscope.probe import Probe, StepResult
+from gradscope.probe import Probe, StepResult, UpdateResult
 from gradscope.trainers.distributed import Dist
 from gradscope.trainers.grpo_config import ROLE_BALANCE, GRPOConfig
 from gradscope.trainers.per_role import role_values
@@ -82,6 +82,7 @@ class OptimizerStep:
     policy: str
     result: StepResult
     scalars: dict[str, float]
+    update: UpdateResult | None = None  # the step's update attribution (probe.attach; None: off or skipped)
 
 
 class GRPOUpdater:
@@ -207,11 +208,12 @@ class GRPOUpdater:
             optimizer.zero_grad(set_to_none=True)
         if result is None:
             return None
+        update = self.probe.last_update  # None when the step was skipped or nothing is attached
         loss, clipped, kl, samples = dist.sum([*totals, len(batch)])  # one collective for all four
         return OptimizerStep(adapter, result, {
             "loss": loss, "clip_frac": clipped / max(n_tokens, 1), "grad_norm": grad_norm,
             "lr": optimizer.param_groups[0]["lr"], "samples": int(samples),
-            "tokens": n_tokens, "kl": kl / max(n_tokens, 1)})
+            "tokens": n_tokens, "kl": kl / max(n_tokens, 1)}, update)
 
     def _token_loss(self, adapter: str, batch: Sequence[TrainSample], n_tokens: int, probed=None
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], np.ndarray]:

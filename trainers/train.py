@@ -50,6 +50,7 @@ from gradscope.trainers.workflows import WORKFLOWS, Templates
 from gradscope.trainers.workflows.base import Episode, Workflow
 
 PROBE_SPECS = ("gram", "gram,groups", "none")
+UPDATE_UNITS = ("off", "role", "agent")
 SOLVER_ROLES = ("voter", "generator", "worker")
 
 
@@ -76,6 +77,11 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
         role_values(getattr(cfg.grpo, name), roles, name.replace("_", "-"))
     if cfg.grpo.role_balance not in ROLE_BALANCE:
         raise ConfigError(f"unknown --role-balance {cfg.grpo.role_balance!r}; use one of {', '.join(ROLE_BALANCE)}")
+    if cfg.probe_updates not in UPDATE_UNITS:
+        raise ConfigError(f"unknown --probe-updates {cfg.probe_updates!r}; use one of {UPDATE_UNITS}")
+    if cfg.probe_updates != "off" and (cfg.probe == "none" or cfg.probe_every != 1):
+        raise ConfigError("--probe-updates needs every optimizer step probed (--probe-every 1, not --probe none): "
+                          "the per-role moments follow every step's per-agent gradients")
     world = world_size_from_env()
     if world > 1 and any(role_values(cfg.grpo.coherence_reg, roles, "coherence-reg").values()):
         raise ConfigError("--coherence-reg is not supported under torchrun (it needs each role's global gradient)")
@@ -187,6 +193,9 @@ class Trainer:
                            groups="adapter" if cfg.probe == "gram,groups" else None,
                            sketch=cfg.probe_sketch or None)  # after the process group: it sums over ranks
         self.updater = GRPOUpdater(self.model, tok, self.policy, self.probe, params, cfg.grpo, cfg.seed, dist)
+        if cfg.probe_updates != "off":
+            for optimizer in self.updater.optimizers.values():
+                self.probe.attach(optimizer, cfg.probe_updates)
         self.sampler = Sampler(self.model, tok, self.policy, max_new_tokens=cfg.max_new_tokens,
                                temperature=cfg.grpo.temperature)
         self.scorer = Scorer(unsafe=cfg.unsafe_sandbox)
@@ -200,7 +209,8 @@ class Trainer:
                        groups=self.probe.groups if per_group else [],
                        group_sizes=self.probe.group_sizes if per_group else [],
                        config=self.stored_config(),
-                       seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS)
+                       seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS,
+                       update_unit=self.probe.update_unit or "")
 
     def stored_config(self) -> dict:
         """The resolved config as the run file stores it (JSON types), with the world size."""
@@ -292,7 +302,8 @@ class Trainer:
         wf = self.workflow
         return Monitor(self.rules if self.dist.is_main else [], list(wf.agents), [wf.agent_roles[a] for a in wf.agents],
                        policies=self.policy.adapters, checkpoint=checkpoint,
-                       stop=lambda alert: None, **({"echo": self.echo} if self.echo else {}))
+                       stop=lambda alert: None, update_unit=self.probe.update_unit or "",
+                       **({"echo": self.echo} if self.echo else {}))
 
     def train_step(self, step: int, writer: RunWriter, monitor: Monitor | None = None) -> dict[str, float]:
         cfg = self.cfg
@@ -307,7 +318,7 @@ class Trainer:
         for o in logged:
             writer.log_step(step, o.result.gram, o.result.tokens, policy=o.policy, scalars=o.scalars,
                             group_gram=o.result.group_gram if cfg.probe == "gram,groups" else None,
-                            method=o.result.method)
+                            method=o.result.method, update=o.update)
             for warning in o.result.warnings:  # a probe fallback or a failed self-check, with its reason
                 writer.log_event(step, "probe", warning, severity="warning")
         metrics.update(_episode_metrics(self._everyone(episodes), prefix="train/"))
@@ -317,7 +328,8 @@ class Trainer:
             if logged:
                 monitor.step(step, np.stack([o.result.gram for o in logged]),
                              np.stack([o.result.tokens for o in logged]),
-                             [o.policy for o in logged], [o.scalars for o in logged])
+                             [o.policy for o in logged], [o.scalars for o in logged],
+                             *_stack_updates(logged, len(self.probe.agents)))
             monitor.metrics(step, metrics)
         return metrics
 
@@ -333,6 +345,18 @@ class Trainer:
     def _everyone(self, episodes: list[Episode]) -> list[Episode]:
         """Every rank's episodes (rank order), for metrics over the whole step or held-out set."""
         return [ep for part in self.dist.gather(episodes) for ep in part] if self.dist.active else episodes
+
+
+def _stack_updates(logged: Sequence, n_agents: int) -> tuple[np.ndarray, np.ndarray] | tuple[()]:
+    """(N, C, C) update Grams and (N, C, K) interference of the logged steps, NaN where a step has none
+    (skipped); () without update attribution."""
+    shapes = {o.update.gram.shape[0] for o in logged if o.update is not None}
+    if not shapes:
+        return ()
+    C = shapes.pop()
+    grams = [np.full((C, C), np.nan) if o.update is None else o.update.gram for o in logged]
+    inter = [np.full((C, n_agents), np.nan) if o.update is None else o.update.interference for o in logged]
+    return np.stack(grams), np.stack(inter)
 
 
 def _episode_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:

@@ -51,6 +51,8 @@ class Monitor:
             that it is unavailable here).
         on_alert: called with every alert.
         echo: where ``warn`` lines go (default: standard error).
+        update_unit: ``"role"`` / ``"agent"`` when :meth:`step` is given update attribution (the run's
+            ``RunMeta.update_unit``); ``""``: none.
     """
 
     def __init__(self, rules: Sequence[Rule], agents: Sequence[str], agent_roles: Sequence[str], *,
@@ -58,10 +60,10 @@ class Monitor:
                  checkpoint: Callable[[Alert], object] | None = None,
                  stop: Callable[[Alert], object] | None = None,
                  on_alert: Callable[[Alert], object] | None = None,
-                 echo: Callable[[str], object] = _stderr) -> None:
+                 echo: Callable[[str], object] = _stderr, update_unit: str = "") -> None:
         self.rules = list(rules)
         self.values = StepValues(agents, agent_roles, wanted={r.statistic for r in self.rules},
-                                 policies=policies or ())
+                                 policies=policies or (), update_unit=update_unit)
         check_selectors(self.rules, agents, agent_roles, policies)
         self.engine = AlertEngine(self.rules)
         self.writer, self.on_alert, self.echo = writer, on_alert, echo
@@ -73,12 +75,14 @@ class Monitor:
     # --- feeding -------------------------------------------------------------------------------
     def step(self, step: int, gram: np.ndarray, tokens: np.ndarray | None = None,
              policies: Sequence[str | None] | None = None,
-             scalars: Sequence[Mapping[str, float]] | None = None) -> list[Alert]:
-        """One training step's Gram records (N, K, K) with optional tokens (N, K), policy tags and
-        per-record scalars (see :meth:`StepValues.records`)."""
+             scalars: Sequence[Mapping[str, float]] | None = None,
+             update_gram: np.ndarray | None = None, update_interference: np.ndarray | None = None) -> list[Alert]:
+        """One training step's Gram records (N, K, K) with optional tokens (N, K), policy tags,
+        per-record scalars and update attribution (N, C, C), (N, C, K) (see :meth:`StepValues.records`)."""
         if len(gram) == 0 or not self.rules:
             return []
-        return self.observe(step, self.values.records(gram, tokens, policies, scalars))
+        return self.observe(step, self.values.records(gram, tokens, policies, scalars, update_gram,
+                                                      update_interference))
 
     def metrics(self, step: int, values: Mapping[str, float]) -> list[Alert]:
         return self.observe(step, self.values.metrics(values))

@@ -41,6 +41,8 @@ STATISTICS: dict[str, str] = {
     "share": "role", "token_share": "role", "per_token_share": "role",
     "mass_share": "role", "agent_norm": "agent", "total_norm": "policy",
     "cosine": "agent pair", "role_cosine": "role pair",
+    "update_share": "role", "update_share_gap": "role", "role_update_norm": "role",
+    "update_cosine": "role pair", "interference": "role pair",
     "update_norm": "policy", "update_rel": "policy", "opt_steps": "policy",
     "accuracy": "", "acc_smooth": "", "acc_peak": "", "acc_drop": "", "acc_drop_rel": "",
     "nonfinite": "",

@@ -1,7 +1,8 @@
 """Named per-step values for the rule engine, from what a run file holds.
 
 * :meth:`StepValues.records` — one training step's Gram records (the statistics of
-  ``gradscope.stats``, aggregated per step by ``gradscope.steps``), their scalars, ``nonfinite``;
+  ``gradscope.stats``, aggregated per step by ``gradscope.steps``), their scalars, ``nonfinite``,
+  and with update attribution the update statistics (``update_share[voter]``, ...);
 * :meth:`StepValues.metrics` — per-step metrics (``update_norm/voter`` is also ``update_norm[voter]``);
 * :meth:`StepValues.evals` — held-out accuracy, its running peak and the drop below it.
 
@@ -26,13 +27,16 @@ class StepValues:
     Args:
         agents: (K,) agent names, the Gram's row order.
         agent_roles: (K,) each agent's role.
+        update_unit: ``"role"`` / ``"agent"``: what the records' update components are (``""``: none).
     """
 
     def __init__(self, agents: Sequence[str], agent_roles: Sequence[str],
-                 wanted: Collection[str] | None = None, policies: Sequence[str] = ()) -> None:
+                 wanted: Collection[str] | None = None, policies: Sequence[str] = (),
+                 update_unit: str = "") -> None:
         self.agents, self.agent_roles = list(agents), list(agent_roles)
         self.policies = list(policies)  # known up front (metrics may name them before any record)
         self.P, self.roles = stats.role_indicator(self.agent_roles)
+        self.unit_roles = {"role": self.roles, "agent": self.agent_roles}.get(update_unit)
         self.n_per_role = self.P.sum(axis=0)
         self.wanted = None if wanted is None else set(wanted)  # statistic names to compute (None: all)
         self.role_sets: dict[str, list[str]] = {}   # policy → roles seen with a gradient in its records
@@ -44,7 +48,9 @@ class StepValues:
 
     def records(self, gram: np.ndarray, tokens: np.ndarray | None = None,
                 policies: Sequence[str | None] | None = None,
-                scalars: Sequence[Mapping[str, float]] | None = None) -> dict[str, float]:
+                scalars: Sequence[Mapping[str, float]] | None = None,
+                update_gram: np.ndarray | None = None,
+                update_interference: np.ndarray | None = None) -> dict[str, float]:
         """Values of one training step from its records (only the ``wanted`` statistics).
 
         Args:
@@ -52,6 +58,8 @@ class StepValues:
             tokens: (N, K) tokens per agent and record (default: none counted).
             policies: (N,) policy each record updated (None / "" = untagged, set ``"all"``).
             scalars: (N,) per-record scalars (loss, grad_norm, ...) → ``opt.<name>[<policy>]``.
+            update_gram, update_interference: (N, C, C) and (N, C, K) update attribution of the
+                records (NaN where not logged); only with an ``update_unit``.
         """
         M = np.asarray(gram, dtype=np.float64).reshape(-1, len(self.agents), len(self.agents))
         N = len(M)
@@ -61,6 +69,11 @@ class StepValues:
         present = steps.present(stats.role_norms(M, self.P))     # (N, R)
         out.update(self._roles(M, present))
         out.update(self._agents(M, present))
+        UG = None
+        if update_gram is not None and self.unit_roles is not None:
+            UG = np.asarray(update_gram, dtype=np.float64).reshape(N, *np.shape(update_gram)[-2:])
+            out.update(self._updates(UG, np.asarray(update_interference, dtype=np.float64).reshape(
+                N, *np.shape(update_interference)[-2:]), present))
         for p in dict.fromkeys(pol):
             mine = np.array([q == p for q in pol])
             seen = self.role_sets.setdefault(p, [])
@@ -68,6 +81,43 @@ class StepValues:
             seen.sort(key=self.roles.index)
             tok = None if tokens is None else np.asarray(tokens, dtype=np.float64).reshape(N, -1)[mine]
             out.update(self._policy(p, M[mine], tok, seen, [scalars[i] for i in np.flatnonzero(mine)] if scalars else []))
+            if UG is not None and len(seen) >= 2 and self._want("update_share", "update_share_gap"):
+                out.update(self._update_shares(M[mine], tok, UG[mine], seen))
+        return out
+
+    def _updates(self, UG: np.ndarray, UI: np.ndarray, present: np.ndarray) -> dict[str, float]:
+        """Per-role update norms and update cosines (over records where the roles have a gradient), and
+        interference between roles (over records where the updating role has one)."""
+        one, R = np.zeros(len(UG), dtype=np.int64), len(self.roles)
+        Q, _ = stats.update_indicator(self.unit_roles, self.roles)
+        out = {}
+        if self._want("role_update_norm"):
+            norms = steps.step_mean(stats.role_norms(UG, Q)[:, :R], one, 1, present)[0]
+            out.update({f"role_update_norm[{r}]": norms[j] for j, r in enumerate(self.roles)})
+        masks = {"update_cosine": present[:, :, None] & present[:, None, :],  # both roles trained
+                 "interference": np.repeat(present[:, :, None], R, axis=2)}  # the updating role trained
+        for name, values in (("update_cosine", lambda: stats.cosine(stats.role_gram(UG, Q))[:, :R, :R]),
+                             ("interference", lambda: stats.interference(UI, Q, self.P)[:, :R, :R])):
+            if not self._want(name):
+                continue
+            mean = steps.step_mean(values(), one, 1, masks[name])[0]
+            for i, j in zip(*np.triu_indices(R, k=1)):
+                out[f"{name}[{self.roles[i]}|{self.roles[j]}]"] = mean[i, j]
+                if name == "interference":  # not symmetric: r's update on s's loss, both ways
+                    out[f"{name}[{self.roles[j]}|{self.roles[i]}]"] = mean[j, i]
+        return out
+
+    def _update_shares(self, M: np.ndarray, tokens: np.ndarray | None, UG: np.ndarray,
+                       roles: list[str]) -> dict[str, float]:
+        """One shared set's update shares and their gap to the gradient (contribution) shares."""
+        one = np.zeros(len(M), dtype=np.int64)
+        upd = steps.set_update_shares(UG, self.unit_roles, self.roles, roles)
+        grad = steps.shared_set_stats(M, np.zeros(M.shape[:2]) if tokens is None else tokens,
+                                      self.agent_roles, roles)["share"]
+        out = {}
+        for name, values in (("update_share", upd), ("update_share_gap", upd - grad)):
+            for j, v in enumerate(steps.step_mean(values, one, 1)[0]):
+                out[f"{name}[{roles[j]}]"] = v
         return out
 
     def _roles(self, M: np.ndarray, present: np.ndarray) -> dict[str, float]:

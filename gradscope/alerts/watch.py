@@ -43,14 +43,17 @@ class Follower:
         n_rec = int(np.searchsorted(rec_step, horizon, side="right")) if np.isfinite(horizon) else len(rec_step)
         if n_rec:
             lo = self.next["records"]
-            recs = {name: run.read(name, lo, lo + n_rec) for name in ("gram", "tokens", "scalars", "policy")}
+            fields = ("gram", "tokens", "scalars", "policy") + (
+                ("update_gram", "update_interference") if run.meta.update_unit else ())
+            recs = {name: run.read(name, lo, lo + n_rec) for name in fields}
             pol = run.policy_names(recs["policy"])
             for s in np.unique(rec_step[:n_rec]):
                 m = rec_step[:n_rec] == s
                 # NaN = not logged by the writer (RunWriter fills missing scalars so), not a NaN value
                 scal = [{k: v for k, v in zip(run.meta.scalar_names, row) if not np.isnan(v)}
                         for row in recs["scalars"][m]]
-                items.append((int(s), 0, (recs["gram"][m], recs["tokens"][m], list(pol[m]), scal)))
+                updates = (recs["update_gram"][m], recs["update_interference"][m]) if run.meta.update_unit else ()
+                items.append((int(s), 0, (recs["gram"][m], recs["tokens"][m], list(pol[m]), scal, *updates)))
             self.next["records"] += n_rec
         for order, table in ((1, schema.METRICS), (2, schema.EVALS)):
             rows = tables[table]
@@ -78,7 +81,8 @@ def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 
     when ``idle`` > 0); returns every alert fired. Alerts are printed through ``echo``."""
     with open_run(path) as run:
         meta = run.meta
-        follower = Follower(run, Monitor(rules, meta.agents, meta.agent_roles, policies=meta.policies, echo=echo))
+        follower = Follower(run, Monitor(rules, meta.agents, meta.agent_roles, policies=meta.policies, echo=echo,
+                                         update_unit=meta.update_unit))
         echo(f"watching {path}: {len(meta.agents)} agents, roles {', '.join(dict.fromkeys(meta.agent_roles))}; "
              f"{len(rules)} rules")
         quiet_since = time.monotonic()

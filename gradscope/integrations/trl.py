@@ -15,7 +15,9 @@ entropy terms included: TRL's loss depends on the parameters only through the pe
 derivatives taken from TRL's loss and held fixed, has exactly TRL's gradient, token by token.
 The statistics join TRL's logs as ``gradscope/...`` (so ``report_to`` sends them to TensorBoard,
 W&B, MLflow, ...), and with ``run_file`` every record goes to a run file for ``gradscope analyze``,
-``plot`` and ``watch``.
+``plot`` and ``watch``. With ``update_unit="role"`` (or ``"agent"``) TRL's torch AdamW is attached to
+the probe (update attribution, docs/probe.md) and every record also holds the split of its
+optimizer step; the record is then written after that step.
 
 Under ``accelerate launch`` (DDP) the probed backward runs without DDP's gradient averaging and the
 gradients are then summed over processes, each process' loss scaled by 1/num_processes: ``.grad``
@@ -38,6 +40,7 @@ from trl import GRPOTrainer
 from gradscope.errors import ProbeError
 from gradscope.integrations.scalars import finite_items, step_scalars
 from gradscope.probe import Probe, StepResult
+from gradscope.probe.updates import UNITS as UPDATE_UNITS
 from gradscope.runfile import RunMeta, RunWriter
 
 #: The key under which each completion's per-token agent indices travel with TRL's batch.
@@ -97,6 +100,9 @@ class GradscopeGRPOTrainer(GRPOTrainer):
             must not exist yet (a ``RunFileError`` when ``train`` starts, never an overwrite).
         probe_options: more :class:`~gradscope.probe.Probe` arguments (``groups``, ``method``,
             ``sketch``, ``params``).
+        update_unit: ``"role"`` or ``"agent"``: attribute every optimizer step to those units
+            (``Probe.attach``; needs a torch AdamW / Adam optimizer, else a ``ProbeError`` when ``train``
+            creates it); None (default): no update attribution.
 
     After each optimizer step, :attr:`gradscope_last` holds its :class:`~gradscope.probe.StepResult`
     (the Gram of the global per-agent gradients, the same on every process).
@@ -104,7 +110,8 @@ class GradscopeGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args: Any, roles: Mapping[str, str], agent: AgentSpec = "agent",
                  run_file: str | os.PathLike[str] | None = None,
-                 probe_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 probe_options: Mapping[str, Any] | None = None, update_unit: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:
             raise ProbeError("the MoE router auxiliary loss is not attributable to agents; set "
@@ -116,6 +123,10 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         self.probe = Probe(self.accelerator.unwrap_model(self.model), self.gradscope_agents, self.gradscope_roles,
                            **dict(probe_options or {}))
         self.gradscope_last: StepResult | None = None
+        if update_unit not in (None, *UPDATE_UNITS):
+            raise ProbeError(f"update_unit must be one of {UPDATE_UNITS} or None, got {update_unit!r}")
+        self._update_unit = update_unit
+        self._unlogged: StepResult | None = None  # probed, its optimizer step not yet taken
         self._run_file = None if run_file is None else os.fspath(run_file)
         self._writer: RunWriter | None = None
         self._window: ExitStack | None = None
@@ -131,7 +142,16 @@ class GradscopeGRPOTrainer(GRPOTrainer):
                   "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                   "world_size": self.accelerator.num_processes}
         return RunMeta(agents=self.gradscope_agents, agent_roles=[self.gradscope_roles[a] for a in self.gradscope_agents],
-                       roles=self.probe.roles, probe_method=self.probe.measurement, config=config, seed=self.args.seed)
+                       roles=self.probe.roles, probe_method=self.probe.measurement, config=config, seed=self.args.seed,
+                       update_unit=self._update_unit or "")
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self._update_unit is not None and self.probe.update_unit is None:  # once, whatever train() runs
+            self.probe.attach(optimizer, self._update_unit)
+            # registered after the probe's own hook: the step's split is ready when this one runs
+            optimizer.register_step_post_hook(lambda *_: self._log_unlogged())
+        return optimizer
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         if self._run_file is None or not self.accelerator.is_main_process:
@@ -233,7 +253,16 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         for name, value in probe_summary(result, self.gradscope_agents, self.gradscope_roles).items():
             self._metrics["train"][name].append(value)  # TRL averages them over the logging window
         if self._writer is not None:
-            self._writer.log_step(result.step, result.gram, result.tokens, method=result.method)
+            self._unlogged = result
+            if self._update_unit is None:
+                self._log_unlogged()
+
+    def _log_unlogged(self) -> None:
+        """Write the probed step's record (with update attribution: after its optimizer step)."""
+        result, self._unlogged = self._unlogged, None
+        if result is not None and self._writer is not None:
+            update = None if self._update_unit is None else self.probe.last_update
+            self._writer.log_step(result.step, result.gram, result.tokens, method=result.method, update=update)
 
     def _sum_gradients(self) -> None:
         """Sum ``.grad`` of the trained parameters over the processes in one flat collective (a

@@ -18,7 +18,9 @@ work too. Each loss term must be normalised exactly as inside the full loss, so 
 
 Under torchrun (torch.distributed initialised with several ranks) the Gram is that of the global
 per-agent gradients, summed over ranks: see docs/distributed.md. ``sketch=k`` measures it through a
-k-dimensional random projection per parameter group (docs/probe.md, "Sketch mode").
+k-dimensional random projection per parameter group (docs/probe.md, "Sketch mode"). Given the
+loop's torch AdamW (``optimizer=`` or :meth:`Probe.attach`), every optimizer step is also split into
+per-role updates (docs/probe.md, "Update attribution"; ``probe.last_update``).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from gradscope.probe.method import GramMethod, token_terms
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
 from gradscope.probe.store import FlatStore, Store
+from gradscope.probe.updates import UpdateAttribution, UpdateResult
 
 #: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
 METHODS: dict[str, type[GramMethod]] = {"split": SplitMethod, "hooks": HooksMethod}
@@ -108,6 +111,8 @@ class Probe:
             the probe cannot compare its per-agent gradients with ``.grad``: it needs the hooks method
             (split reads ``.grad``), skips the add-up check (compare √ΣM with the global gradient norm),
             and its self-check differentiates every agent on every rank. See docs/probe.md.
+        optimizer: a torch AdamW / Adam to attribute the updates of, as :meth:`attach` (None: none yet).
+        update_unit: ``"role"`` (default) or ``"agent"``: what the updates are split into.
 
     ``measurement`` describes how the Gram is measured (e.g. ``"hooks+sketch(k=256,seed=0)+ranks(2)"``),
     for the run file's ``probe_method``.
@@ -117,7 +122,8 @@ class Probe:
                  params: ParamsLike | None = None, groups: GroupSpec = None, method: str = "auto",
                  sketch: int | Sketch | None = None,
                  process_group: dist.ProcessGroup | bool | None = None, check_every: int | None = 0,
-                 grad_reduced: bool = False) -> None:
+                 grad_reduced: bool = False, optimizer: torch.optim.Optimizer | None = None,
+                 update_unit: str = "role") -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
         missing = [a for a in agents if a not in roles]
@@ -163,9 +169,13 @@ class Probe:
                    if self.method_name == "hooks" else {})
         self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
                                                  model=model, store=store, **options)
+        self.params, self.group_index, self.grad_reduced = params_only, group_index, bool(grad_reduced)
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
         self.last: StepResult | None = None
+        self._updates: UpdateAttribution | None = None
+        if optimizer is not None:
+            self.attach(optimizer, update_unit)
 
     @property
     def measurement(self) -> str:
@@ -184,6 +194,8 @@ class Probe:
             raise ProbeError("a probed step is already open; steps cannot nest")
         self._open = True
         handle = ProbeStep(self, step, policy)
+        if self._updates is not None:
+            self._updates.begin()
         self._method.begin()
         try:
             yield handle
@@ -196,8 +208,49 @@ class Probe:
                 handle.tokens = all_reduce_sum_(torch.from_numpy(handle.tokens), self.process_group).numpy()
             handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens,
                                                    self._method.record, tuple(self._method.warnings))
+            if self._updates is not None:
+                self._updates.collected(handle.result)
         finally:
             self._open = False
+
+    def attach(self, optimizer: torch.optim.Optimizer, unit: str = "role") -> None:
+        """Split every step of ``optimizer`` (torch AdamW or Adam) into per-``unit`` updates (``"role"`` or
+        ``"agent"``), from the per-agent gradients of the probed step before it; :attr:`last_update` holds
+        the latest. Other optimizers, and ``grad_reduced=True``, raise ProbeError (unavailable). Attach
+        between probed steps, before the optimizer's first step (moments it already holds count as
+        ``unattributed``).
+        """
+        if self._open:
+            raise ProbeError("attach the optimizer between probed steps")
+        if self.grad_reduced:  # .grad is reduced or sharded by the framework: c and the split would not follow it
+            raise ProbeError("update attribution is unavailable with grad_reduced=True (FSDP, DDP reducing .grad "
+                             "in the backward): it reads the optimizer's gradient and state as this rank's own")
+        if self._updates is None:
+            self._updates = UpdateAttribution(self, self._method.store, unit)
+            self._method.store = self._updates.store  # per-agent gradients must be kept for the optimizer step
+        elif unit != self._updates.unit:
+            raise ProbeError(f"updates are already split by {self._updates.unit}; cannot also split by {unit}")
+        self._updates.attach(optimizer)
+
+    @property
+    def last_update(self) -> UpdateResult | None:
+        """The latest step of an attached optimizer since the last probed step began (None: none)."""
+        return None if self._updates is None else self._updates.last
+
+    def update_state(self) -> list[dict[int, torch.Tensor]] | None:
+        """The per-unit first moments of the attached optimizers, to save with their own state (None: none)."""
+        return None if self._updates is None else self._updates.state_dict()
+
+    def load_update_state(self, state: list[dict[int, torch.Tensor]]) -> None:
+        """Restore :meth:`update_state` (same optimizers, attached in the same order)."""
+        if self._updates is None:
+            raise ProbeError("no optimizer is attached: nothing to restore update-attribution state into")
+        self._updates.load_state_dict(state)
+
+    @property
+    def update_unit(self) -> str | None:
+        """``"role"`` / ``"agent"`` once an optimizer is attached, else None."""
+        return None if self._updates is None else self._updates.unit
 
     def state_dict(self) -> dict[str, Any]:
         """What the probe carries from step to step (the method's self-check schedule and outcome,
@@ -213,8 +266,10 @@ class Probe:
         self._method.load_state_dict(state["state"])
 
     def close(self) -> None:
-        """Remove whatever the method attached to the model (the hooks method's layer hooks)."""
+        """Remove whatever the probe attached: the hooks method's layer hooks, the optimizers' step hooks."""
         self._method.close()
+        if self._updates is not None:
+            self._updates.close()
 
     def agent_index(self, agent: str) -> int:
         try:

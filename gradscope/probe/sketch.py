@@ -76,15 +76,19 @@ def hash_coefficients(seed: int, name: str) -> tuple[int, int, int, int]:
     return tuple(int.from_bytes(digest[8 * i:8 * i + 8], "little") % PRIME for i in range(4))  # type: ignore
 
 
-def signed_buckets(coeffs: tuple[int, int, int, int], coords: torch.Tensor, k: int) -> torch.Tensor:
-    """``(h(j), s(j))`` of coordinates ``coords`` (int64, each < PRIME) folded into one index in ``[0, 2k)``:
-    bucket ``v mod k``, sign -1 when ``v >= k``, where ``v = poly(j) mod PRIME mod 2k``."""
+def poly_hash(coeffs: tuple[int, int, int, int], coords: torch.Tensor) -> torch.Tensor:
+    """``poly(j) mod PRIME`` of coordinates ``coords`` (int64, each < PRIME), in ``[0, PRIME)``."""
     c3, c2, c1, c0 = coeffs
     v = coords * c3                      # Horner; every product < 2^62
     v.add_(c2).remainder_(PRIME)
     v.mul_(coords).add_(c1).remainder_(PRIME)
-    v.mul_(coords).add_(c0).remainder_(PRIME)
-    return v.remainder_(2 * k)
+    return v.mul_(coords).add_(c0).remainder_(PRIME)
+
+
+def signed_buckets(coeffs: tuple[int, int, int, int], coords: torch.Tensor, k: int) -> torch.Tensor:
+    """``(h(j), s(j))`` of coordinates ``coords`` (int64, each < PRIME) folded into one index in ``[0, 2k)``:
+    bucket ``v mod k``, sign -1 when ``v >= k``, where ``v = poly(j) mod PRIME mod 2k``."""
+    return poly_hash(coeffs, coords).remainder_(2 * k)
 
 
 class SketchStore(Store):

@@ -137,25 +137,28 @@ class Store(ABC):
         return grams
 
 
+def group_layout(sizes: Sequence[int], group_index: Sequence[int], n_groups: int) -> tuple[list[int], list[slice], int]:
+    """Lay parameters of ``sizes`` values out by group, so that each group's values are one column slice:
+    (offset of each parameter, slice of each group, total size)."""
+    offsets, slices, pos = [0] * len(sizes), [], 0
+    for g in range(n_groups):
+        start = pos
+        for i, n in enumerate(sizes):
+            if group_index[i] == g:
+                offsets[i] = pos
+                pos += n
+        slices.append(slice(start, pos))
+    return offsets, slices, pos
+
+
 class FlatStore(Store):
     """Exact: a (K, P) buffer (P = probed parameter values) laid out group by group."""
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
                  n_agents: int, group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, group_index, n_groups, n_agents, group)
-        # Lay parameters out by group so that each group's contributions are one column slice.
-        order = sorted(range(len(self.params)), key=lambda i: (self.group_index[i], i))
-        self.offsets: list[int] = [0] * len(self.params)
-        self.group_slices: list[slice] = []
-        pos = 0
-        for g in range(n_groups):
-            start = pos
-            for i in order:
-                if self.group_index[i] == g:
-                    self.offsets[i] = pos
-                    pos += self.params[i].numel()
-            self.group_slices.append(slice(start, pos))
-        self.size = pos
+        self.offsets, self.group_slices, self.size = group_layout([p.numel() for p in self.params], group_index,
+                                                                  n_groups)
         self.buffer: torch.Tensor | None = None
 
     def zero(self) -> None:

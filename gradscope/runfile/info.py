@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from gradscope.labels import MISSING, text
+from gradscope.labels import MISSING, number, text
 from gradscope.runfile.reader import RunReader, open_run
 
 _MAX_NAMES = 8  # list at most this many scalar names / groups before abbreviating
@@ -40,7 +40,7 @@ def _age(path: str) -> str:
 def _last_record_summary(run: RunReader) -> str:
     """Total norm and per-role contribution shares of the last record, via gradscope.stats."""
     try:
-        from gradscope.stats import derive
+        from gradscope.stats import derive, derive_updates
     except ImportError:
         return "(statistics unavailable: gradscope.stats not importable)"
     meta = run.meta
@@ -51,7 +51,14 @@ def _last_record_summary(run: RunReader) -> str:
     total = float(cols["total_norm"])
     shares = ", ".join(f"{role} {float(cols[f'share/{role}']):.2f}"
                        for role in meta.roles if f"share/{role}" in cols)
-    return f"total norm {total:.4g}; shares: {shares or '(none)'}"
+    line = f"total norm {total:.4g}; shares: {shares or '(none)'}"
+    if meta.update_unit:
+        units = meta.roles if meta.update_unit == "role" else meta.agent_roles
+        upd = derive_updates(run.read("update_gram", -1)[0], run.read("update_interference", -1)[0], units,
+                             meta.agent_roles, meta.roles)
+        line += "; update shares: " + ", ".join(f"{c} {number(float(upd[f'update_share/{c}']), '.2f')}"
+                                                for c in [*meta.roles, "weight_decay"])
+    return line
 
 
 def render_info(path: str | os.PathLike[str]) -> str:
@@ -75,6 +82,8 @@ def render_info(path: str | os.PathLike[str]) -> str:
         add("versions", _names([f"{k} {v}" for k, v in meta.versions.items()], limit=20))
         add("seed", text(meta.seed))
         add("probe method", meta.probe_method or MISSING)
+        add("updates", f"split by {meta.update_unit} into {', '.join(meta.update_components)}"
+            if meta.update_unit else "(no update attribution)")
         add("agents", ", ".join(f"{a} ({r})" for a, r in zip(meta.agents, meta.agent_roles)))
         count = Counter(meta.agent_roles)
         add("roles", ", ".join(f"{r} x{count.get(r, 0)}" for r in meta.roles))

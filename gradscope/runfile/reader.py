@@ -224,7 +224,8 @@ class RunReader:
 
     def _check_datasets(self) -> None:
         meta = self.meta
-        fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names))
+        fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names),
+                                    len(meta.update_components))
         # Those of a later minor may be absent. Presence is asked through _dataset: `in` would follow
         # an external /steps link (to a FIFO, say) and block.
         fields = {name: f for name, f in fields.items()
@@ -419,6 +420,22 @@ class RunReader:
         return self._cached("group_gram") if "group_gram" in self._step_ds else None
 
     @property
+    def update_gram(self) -> np.ndarray | None:
+        """(N, C, C) float64 update-component Grams (``meta.update_components``; NaN = not logged), or
+        None when the run has no update attribution."""
+        return self._cached("update_gram") if "update_gram" in self._step_ds else None
+
+    @property
+    def update_interference(self) -> np.ndarray | None:
+        """(N, C, K) float64 ``<Δθ_a, g_l>`` (NaN = not logged), or None without update attribution."""
+        return self._cached("update_interference") if "update_interference" in self._step_ds else None
+
+    @property
+    def update_grad_scale(self) -> np.ndarray | None:
+        """(N,) float64 clipping factor c per record (NaN = not logged), or None without update attribution."""
+        return self._cached("update_grad_scale") if "update_grad_scale" in self._step_ds else None
+
+    @property
     def tokens(self) -> np.ndarray:
         """(N, K) int64 tokens per agent."""
         return self._cached("tokens")
@@ -520,7 +537,8 @@ class RunReader:
     # --- derived statistics --------------------------------------------------------------------
 
     def stats(self, per: str = "record") -> pd.DataFrame:
-        """Every column of ``gradscope.stats.derive``, per record or per training step.
+        """Every column of ``gradscope.stats.derive`` (and, with update attribution, of
+        ``gradscope.stats.derive_updates``), per record or per training step.
 
         ``per="record"``: one row per record — ``step``, ``opt_step``, ``policy``, then the columns.
         ``per="step"``: one row per training step with records — ``step``, ``records`` (how many),
@@ -531,12 +549,16 @@ class RunReader:
         import pandas as pd
 
         from gradscope import steps  # lazy: the reader works without the stats modules
-        from gradscope.stats import derive
+        from gradscope.stats import derive, derive_updates
 
         if per not in ("record", "step"):
             raise ValueError(f"stats(per=...) must be 'record' or 'step', got {per!r}")
         meta = self.meta
         cols: dict[str, Any] = derive(self.gram, self.tokens, meta.agents, meta.agent_roles)
+        if meta.update_unit:
+            units = meta.roles if meta.update_unit == "role" else meta.agent_roles
+            cols.update(derive_updates(self.update_gram, self.update_interference, units, meta.agent_roles,
+                                       meta.roles))
         if per == "record":
             return pd.DataFrame({"step": self.step, "opt_step": self.opt_step, "policy": self.policy, **cols})
         step, per_step = steps.step_columns(cols, self.gram, self.step, meta.agents, meta.agent_roles)

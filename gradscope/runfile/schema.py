@@ -2,7 +2,7 @@
 
 Everything that the writer and the reader must agree on lives here, so that ``docs/format.md``
 has one source to be checked against. Shapes use N = records, K = agents, G = parameter
-groups, S = declared scalar metrics.
+groups, S = declared scalar metrics, C = update components (update attribution, ``RunMeta.update_unit``).
 """
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from gradscope.stats import UPDATE_EXTRAS
+
 #: ``MAJOR.MINOR``. Minor bumps are additive (new optional fields); a reader accepts any minor of
 #: a major it knows and refuses a newer major.
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = 1
 FORMAT = "gradscope-run"
 
@@ -87,12 +89,20 @@ PROBE_METHODS = (
 METHOD_UNRECORDED = -1
 
 
-def step_fields(n_agents: int, n_groups: int, n_scalars: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+#: What update attribution splits each optimizer step into (``RunMeta.update_unit``); "" = not recorded.
+UPDATE_UNITS = ("", "role", "agent")
+#: The per-record datasets of update attribution (since 1.2), present when ``update_unit`` is set.
+UPDATE_FIELDS = ("update_gram", "update_interference", "update_grad_scale", "update_residual")
+
+
+def step_fields(n_agents: int, n_groups: int, n_scalars: int,
+                n_components: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """The per-record datasets under ``/steps``: name -> (shape of one record, dtype).
 
-    ``group_gram`` exists only when parameter groups were declared (``n_groups > 0``).
+    ``group_gram`` exists only when parameter groups were declared (``n_groups > 0``), the
+    :data:`UPDATE_FIELDS` only with update attribution (``n_components`` = C > 0).
     """
-    K, G, S = n_agents, n_groups, n_scalars
+    K, G, S, C = n_agents, n_groups, n_scalars, n_components
     fields: dict[str, tuple[tuple[int, ...], np.dtype]] = {
         "step": ((), np.dtype("<i8")),
         "opt_step": ((), np.dtype("<i8")),
@@ -105,6 +115,11 @@ def step_fields(n_agents: int, n_groups: int, n_scalars: int) -> dict[str, tuple
     if G:
         fields["group_gram"] = ((G, K, K), np.dtype("<f8"))
     fields["method"] = ((), np.dtype("<i1"))
+    if C:
+        fields["update_gram"] = ((C, C), np.dtype("<f8"))
+        fields["update_interference"] = ((C, K), np.dtype("<f8"))
+        fields["update_grad_scale"] = ((), np.dtype("<f8"))
+        fields["update_residual"] = ((), np.dtype("<f8"))
     return fields
 
 
@@ -124,6 +139,10 @@ DESCRIPTIONS = {
     "scalars": "scalar metrics, columns named by the attribute 'names'; NaN = not logged",
     "group_gram": "per-parameter-group Gram matrices (NaN = not logged); groups in attribute 'groups'",
     "method": "what measured the record's Gram: index into the attribute 'codes' (-1 = not recorded)",
+    "update_gram": "U[a,b] = <dθ_a, dθ_b>, the optimizer step's components (attribute 'components'); NaN = not logged",
+    "update_interference": "I[a,l] = <dθ_a, g_l>, component a against agent l's gradient; NaN = not logged",
+    "update_grad_scale": "factor between the probed gradient and the one the optimizer used (clipping); NaN = not logged",
+    "update_residual": "|dθ - sum of components| / |dθ|, the split's own check; NaN = not logged",
     EVALS: "evaluation results in long format (step, name, value)",
     EVENTS: "alerts and other events (step, time, kind, severity, message)",
     METRICS: "per-training-step metrics in long format (step, name, value)",
@@ -135,7 +154,7 @@ DESCRIPTIONS = {
 #: Root attributes stored as JSON strings (lists and dicts); the rest are plain scalars.
 _JSON_ATTRS = ("agents", "agent_roles", "roles", "policies", "groups", "group_sizes", "config",
                "versions", "scalar_names")
-_STR_ATTRS = ("probe_method", "created")
+_STR_ATTRS = ("probe_method", "created", "update_unit")
 
 
 @dataclass
@@ -161,6 +180,8 @@ class RunMeta:
         scalar_names: every scalar metric that ``log_step(scalars=...)`` may log (declared up
             front because a SWMR file cannot grow new datasets or attributes).
         flush_every: records per flush; the writer sets it.
+        update_unit: ``"role"`` or ``"agent"`` when records hold update attribution (what its
+            components are, see :attr:`update_components`), ``""`` when they do not.
     """
 
     agents: list[str]
@@ -176,6 +197,7 @@ class RunMeta:
     created: str = ""
     scalar_names: list[str] = field(default_factory=list)
     flush_every: int = 0
+    update_unit: str = ""
 
     def __post_init__(self) -> None:
         # Accept any sequences (tuples, numpy string arrays) but store plain lists of str.
@@ -195,6 +217,14 @@ class RunMeta:
     @property
     def n_agents(self) -> int:
         return len(self.agents)
+
+    @property
+    def update_components(self) -> list[str]:
+        """The C components of ``/steps/update_gram``: the roles (or agents), ``unattributed``,
+        ``weight_decay``; empty without update attribution."""
+        if not self.update_unit:
+            return []
+        return [*(self.roles if self.update_unit == "role" else self.agents), *UPDATE_EXTRAS]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first inconsistency."""
@@ -218,6 +248,11 @@ class RunMeta:
             raise ValueError(
                 f"RunMeta.group_sizes has {len(self.group_sizes)} entries for {len(self.groups)} groups"
             )
+        if self.update_unit not in UPDATE_UNITS:
+            raise ValueError(f"RunMeta.update_unit must be one of {UPDATE_UNITS}, got {self.update_unit!r}")
+        clash = sorted(set(self.update_components[:-len(UPDATE_EXTRAS)]) & set(UPDATE_EXTRAS))
+        if clash:
+            raise ValueError(f"RunMeta: a {self.update_unit} named {clash[0]!r} clashes with an update component")
         if len(self.policies) > np.iinfo(np.int16).max:
             raise ValueError("RunMeta.policies: at most 32767 policies")
         try:

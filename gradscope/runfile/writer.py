@@ -128,7 +128,8 @@ class RunWriter:
                 raise RunFileError(f"{self.path}: cannot replace the run file ({_one_line(exc)})") from None
 
         K, G, S = len(self.meta.agents), len(self.meta.groups), len(self.meta.scalar_names)
-        self._fields = schema.step_fields(K, G, S)
+        self._components = self.meta.update_components
+        self._fields = schema.step_fields(K, G, S, len(self._components))
         self._K, self._G = K, G
         self._scalar_col = {name: i for i, name in enumerate(self.meta.scalar_names)}
         self._policy_index = {name: i for i, name in enumerate(self.meta.policies)}
@@ -165,6 +166,7 @@ class RunWriter:
         self._b_scalars = self._buf["scalars"]
         self._b_group = self._buf.get("group_gram")
         self._b_method = self._buf["method"]
+        self._b_update = [self._buf[name] for name in schema.UPDATE_FIELDS] if self._components else None
 
     # --- creation ------------------------------------------------------------------------------
 
@@ -188,6 +190,10 @@ class RunWriter:
         self._ds["policy"].attrs["names"] = f.attrs["policies"]
         if self._G:
             self._ds["group_gram"].attrs["groups"] = f.attrs["groups"]
+        if self._components:
+            components = json.dumps(self._components)
+            self._ds["update_gram"].attrs["components"] = components
+            self._ds["update_interference"].attrs["components"] = components
         self._ds["time"].attrs["units"] = "s"
         self._ds["method"].attrs["codes"] = json.dumps(list(schema.PROBE_METHODS))
         for name, (dtype, _) in schema.TABLES.items():
@@ -209,7 +215,8 @@ class RunWriter:
 
     def log_step(self, step: int, gram: Any, tokens: Any, *, opt_step: int | None = None,
                  policy: str | None = None, group_gram: Any = None,
-                 scalars: Mapping[str, float] | None = None, method: str | None = None) -> None:
+                 scalars: Mapping[str, float] | None = None, method: str | None = None,
+                 update: Any = None) -> None:
         """Buffer one record (one optimizer step); flushes every ``flush_every`` records.
 
         Args:
@@ -222,9 +229,15 @@ class RunWriter:
             scalars: values of declared scalar metrics; the others are NaN for this record.
             method: what measured the Gram (``StepResult.method``), one of
                 :data:`~gradscope.runfile.schema.PROBE_METHODS`; None: not recorded.
+            update: the optimizer step's update attribution: a
+                :class:`gradscope.probe.updates.UpdateResult`, or any object with ``gram`` (C, C),
+                ``interference`` (C, K), ``grad_scale`` and ``residual`` (and optionally
+                ``components``, checked against ``meta.update_components``). Only when
+                ``meta.update_unit`` is set; None: NaN for this record.
 
         Raises:
-            ValueError: a shape, a policy, a scalar name or a method does not match the metadata.
+            ValueError: a shape, a policy, a scalar name, a method or update components do not match
+                the metadata.
         """
         if self._closed:
             raise ValueError(f"{self.path}: log_step on a closed RunWriter")
@@ -262,6 +275,7 @@ class RunWriter:
             if method not in schema.PROBE_METHODS:
                 raise ValueError(f"unknown probe method {method!r}; known: {list(schema.PROBE_METHODS)}")
             code = schema.PROBE_METHODS.index(method)
+        upd = None if update is None else self._update_values(update)
         cols: Any = None
         vals: Any = None
         if scalars:
@@ -286,10 +300,33 @@ class RunWriter:
                 self._b_group[i].fill(np.nan)
             else:
                 self._b_group[i] = gg
+        if self._b_update is not None:
+            for buf, value in zip(self._b_update, upd or (np.nan,) * len(self._b_update)):
+                buf[i] = value
         self._next_opt_step = opt + 1
         self._pending = i + 1
         if self._pending == self.flush_every:
             self.flush()
+
+    def _update_values(self, update: Any) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """Validated (gram, interference, grad_scale, residual) of an update for ``log_step``."""
+        C, K = len(self._components), self._K
+        if not C:
+            raise ValueError("update given but the run has no update attribution (RunMeta.update_unit is empty)")
+        components = getattr(update, "components", None)
+        if components is not None and list(components) != self._components:
+            raise ValueError(f"update components {list(components)} differ from the run's {self._components}")
+        try:
+            gram, inter = update.gram, update.interference
+            scale, residual = float(update.grad_scale), float(update.residual)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(f"update must have gram, interference, grad_scale and residual: {exc}") from None
+        gram = _as_array(gram, np.float64, "update gram")
+        inter = _as_array(inter, np.float64, "update interference")
+        if gram.shape != (C, C) or inter.shape != (C, K):
+            raise ValueError(f"update gram must have shape ({C}, {C}) and interference ({C}, {K}), got "
+                             f"{gram.shape} and {inter.shape}")
+        return gram, inter, scale, residual
 
     def _scalar_columns(self, scalars: Mapping[str, float]) -> tuple[Any, Any]:
         """Column indices and float values of ``scalars``; ValueError for undeclared names.

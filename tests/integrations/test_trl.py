@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gradscope.errors import ProbeError
 from gradscope.runfile import open_run
@@ -97,6 +98,37 @@ def test_run_file_and_trl_logs(tmp_path):
     ours = [e.value for e in acc.Scalars("train/gradscope/grad_norm")]
     theirs = [e.value for e in acc.Scalars("train/grad_norm")]
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+def test_update_attribution_in_the_run_file(tmp_path):
+    """update_unit="role": TRL's AdamW is attached; the record of its one step splits the actual
+    parameter change (θ read before and after train())."""
+    run = tmp_path / "run.h5"
+    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=1, update_unit="role", weight_decay=0.1)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    before = torch.cat([p.detach().reshape(-1).double() for p in params])
+    trainer.train()
+    step = torch.cat([p.detach().reshape(-1).double() for p in params]) - before
+    with open_run(run) as r:
+        assert r.meta.update_unit == "role" and r.n_steps == 1
+        assert r.meta.update_components == ["voter", "aggregator", "unattributed", "weight_decay"]
+        U, inter = r.update_gram[0], r.update_interference[0]
+        grad_norm = r.metrics_wide()["grad_norm"].to_numpy()[0]
+        scale = r.update_grad_scale[0]
+    np.testing.assert_allclose(U, trainer.probe.last_update.gram)
+    assert U.sum() == pytest.approx(float(step @ step), rel=1e-4)  # Σ_ab U_ab = ‖Δθ‖²
+    assert abs(U[2, 2]) <= 1e-8 * U.sum() and U[3, 3] > 0       # every step probed; decay acted
+    assert U[0, 0] > 0 and U[1, 1] > 0                            # both roles moved the parameters
+    assert scale == pytest.approx(min(1.0, 1.0 / (grad_norm + 1e-6)), rel=1e-4)  # TRL's clipping at 1.0
+    assert np.isfinite(inter).all()
+
+
+def test_update_attribution_needs_adam(tmp_path):
+    trainer = make_trainer(str(tmp_path), update_unit="role", optim="sgd")
+    with pytest.raises(ProbeError, match="update attribution is unavailable for SGD"):
+        trainer.train()
+    with pytest.raises(ProbeError, match="update_unit must be one of"):
+        make_trainer(str(tmp_path), update_unit="layer")
 
 
 def test_unknown_agent_is_a_clear_error(tmp_path):

@@ -31,11 +31,12 @@ KINDS = ("datasets", "attributes", "scalars", "metrics", "evals", "columns:scala
 
 @pytest.fixture(scope="module")
 def run_file(tmp_path_factory) -> Path:
-    """Two IP training steps of Voting on math, evaluated at every step, with per-adapter Grams."""
+    """Two IP training steps of Voting on math, evaluated at every step, with per-adapter Grams and
+    update attribution (every optional dataset the docs name)."""
     out = tmp_path_factory.mktemp("docs") / "run.h5"
     cfg = TrainConfig(workflow="voting", task="math", policy="ip", steps=2, tasks_per_step=2, n_train=20,
                       n_held_out=4, eval_every=1, checkpoint_every=0, probe="gram,groups", out=str(out),
-                      grpo=GRPOConfig(group_size=2))
+                      probe_updates="role", grpo=GRPOConfig(group_size=2))
     Trainer(cfg).run()
     return out
 
