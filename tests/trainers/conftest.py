@@ -22,3 +22,11 @@ def alternating_rewards(monkeypatch):
     from gradscope.trainers.reward import Scorer
 
     monkeypatch.setattr(Scorer, "score", alternating_scores)
+
+
+def crash_at(step: int):
+    """An ``on_step`` callback that raises ``RuntimeError("crash")`` once step ``step`` is recorded."""
+    def crash(at: int, metrics) -> None:
+        if at == step:
+            raise RuntimeError("crash")
+    return crash

@@ -19,6 +19,7 @@ from gradscope.trainers import train as train_mod
 from gradscope.trainers.checkpoint import find_checkpoint
 from gradscope.trainers.train import Trainer
 
+from .conftest import crash_at
 from .test_train import small
 
 #: A tiny run on the command line (a few seconds).
@@ -82,12 +83,8 @@ def test_resume_after_a_crash_past_the_checkpoint_equals_an_uninterrupted_run(tm
     Trainer(full).run()
     cut = dataclasses.replace(full, out=str(tmp_path / "cut.h5"))
 
-    def crash(step, metrics):
-        if step == 3:
-            raise RuntimeError("crash")
-
     with pytest.raises(RuntimeError):
-        Trainer(cut).run(on_step=crash)
+        Trainer(cut).run(on_step=crash_at(3))
     with open_run(cut.out) as run:
         assert run.step.max() == 3
     assert find_checkpoint(Path(cut.out + ".ckpt")).step == 2

@@ -10,7 +10,7 @@ import pytest
 from gradscope.runfile import open_run
 from gradscope.trainers.reward import Scorer
 from gradscope.trainers.train import Trainer
-from tests.trainers.conftest import alternating_scores
+from tests.trainers.conftest import alternating_scores, crash_at
 from tests.trainers.test_train import GRADSCOPE, small
 
 pytestmark = pytest.mark.slow  # trainer runs of a few seconds each (tens under load)
@@ -68,12 +68,8 @@ def test_resume_restores_the_role_moments(runs, tmp_path, alternating_rewards):
     full = runs["sp"]
     cut = dataclasses.replace(full, out=str(tmp_path / "cut.h5"))
 
-    def crash(step, metrics):
-        if step == 3:
-            raise RuntimeError("crash")
-
     with pytest.raises(RuntimeError):
-        Trainer(cut).run(on_step=crash)
+        Trainer(cut).run(on_step=crash_at(3))
     Trainer(dataclasses.replace(cut, resume=True)).run()
     with open_run(full.out) as a, open_run(cut.out) as b:
         assert list(b.step) == list(a.step)
