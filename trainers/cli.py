@@ -21,13 +21,14 @@ if TYPE_CHECKING:
 
 
 def run_with_progress(trainer: Trainer) -> Path:
-    """Train, showing the mean training reward and the last held-out accuracy per step."""
+    """Train, showing the phase (base evaluation, training, evaluation), the mean training reward and
+    the last held-out accuracy per step."""
     from tqdm import tqdm
 
     cfg = trainer.cfg
+    name = f"{cfg.workflow}/{cfg.task}/{cfg.policy}"
     last_acc: list[float] = []
-    with tqdm(total=cfg.steps, desc=f"{cfg.workflow}/{cfg.task}/{cfg.policy}", unit="step",
-              dynamic_ncols=True, disable=not trainer.dist.is_main) as bar:
+    with tqdm(total=cfg.steps, desc=name, unit="step", dynamic_ncols=True, disable=not trainer.dist.is_main) as bar:
         def progress(step: int, metrics: dict[str, float]) -> None:
             if "eval_accuracy" in metrics:
                 last_acc[:] = [metrics["eval_accuracy"]]
@@ -35,7 +36,7 @@ def run_with_progress(trainer: Trainer) -> Path:
             bar.set_postfix(reward=f"{metrics['train/accuracy']:.2f}",
                             eval_acc=f"{last_acc[0]:.3f}" if last_acc else "-")
 
-        return trainer.run(on_step=progress)
+        return trainer.run(on_step=progress, on_phase=lambda phase: bar.set_description(f"{name} ({phase})"))
 
 
 def train_main(argv: Sequence[str]) -> int:

@@ -217,9 +217,14 @@ class Trainer:
         return {**json.loads(json.dumps(dataclasses.asdict(self.cfg))), "world_size": self.dist.world}
 
     # ------------------------------------------------------------------ the loop
-    def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> Path:
+    def run(self, on_step: Callable[[int, dict[str, float]], None] | None = None,
+            on_phase: Callable[[str], None] | None = None) -> Path:
         """Train to ``cfg.steps``, or until an alert's ``stop`` (then :attr:`stopped_by` is set, the
-        step in progress is finished, checkpointed, and the last event is ``stop``)."""
+        step in progress is finished, checkpointed, and the last event is ``stop``).
+
+        ``on_step(step, metrics)`` after each step; ``on_phase(name)`` when the work changes between
+        ``"base evaluation"``, ``"training"`` and ``"evaluation"`` (for a progress display)."""
+        phase = on_phase or (lambda name: None)
         cfg, out, dist = self.cfg, Path(self.cfg.out), self.dist
         ckpt_dir = checkpoint_folder(out)
         monitor = self._monitor(ckpt_dir)
@@ -242,14 +247,17 @@ class Trainer:
         monitor.writer = writer if dist.is_main else None
         with writer:
             if done is None:
+                phase("base evaluation")
                 evals = self.evaluate()
                 writer.log_eval(0, evals)
                 monitor.evals(0, evals)
                 if self._after(0, monitor, writer, ckpt_dir, scheduled=True):
                     return out  # stopped by the base evaluation: nothing trained
             for step in range((done or 0) + 1, cfg.steps + 1):
+                phase("training")
                 metrics = self.train_step(step, writer, monitor)
                 if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                    phase("evaluation")
                     evals = self.evaluate()
                     writer.log_eval(step, evals)
                     monitor.evals(step, evals)

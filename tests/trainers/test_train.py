@@ -226,3 +226,18 @@ def test_testbed_uses_one_thread_unless_told(tmp_path):
             Trainer(small(tmp_path, threads=-1, overwrite=True))
     finally:
         torch.set_num_threads(before)
+
+
+def test_progress_shows_the_base_evaluation_as_its_own_phase(tmp_path, monkeypatch):
+    """The trainer reports its phases in order, and the CLI's bar names them; a resumed run has no
+    base evaluation."""
+    from gradscope.trainers import cli
+
+    phases: list[str] = []
+    cfg = small(tmp_path, steps=2, eval_every=1)
+    Trainer(cfg, echo=lambda line: None).run(on_phase=phases.append)
+    assert phases == ["base evaluation", "training", "evaluation", "training", "evaluation"]
+    shown: list[str] = []
+    monkeypatch.setattr("tqdm.tqdm.set_description", lambda bar, desc=None, refresh=True: shown.append(desc))
+    cli.run_with_progress(Trainer(small(tmp_path, steps=3, eval_every=1, resume=True), echo=lambda line: None))
+    assert shown == ["voting/math/ip (training)", "voting/math/ip (evaluation)"]
