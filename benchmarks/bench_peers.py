@@ -57,7 +57,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_probe import lora_model, make_batch, token_loss  # noqa: E402
+from bench_probe import interleaved, lora_model, make_batch, token_loss  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 
 from gradscope.probe import Probe  # noqa: E402
@@ -246,15 +246,13 @@ def time_methods(name: str, K: int, methods: list[str]) -> dict[str, Any]:
     grams: dict[str, np.ndarray] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # functorch / opacus / backpack performance and deprecation notes
-        for rep in range(cfg["warmup"] + cfg["reps"]):
-            order = methods[rep % len(methods):] + methods[: rep % len(methods)]
-            for method in order:
-                t0 = time.process_time()
-                gram = runner.step(method)
-                if rep >= cfg["warmup"]:
-                    times[method].append(time.process_time() - t0)
-                if gram is not None:
-                    grams[method] = gram
+        for rep, method in interleaved(methods, cfg["warmup"], cfg["reps"]):
+            t0 = time.process_time()
+            gram = runner.step(method)
+            if rep >= cfg["warmup"]:
+                times[method].append(time.process_time() - t0)
+            if gram is not None:
+                grams[method] = gram
     runner.close()
     med = {m: statistics.median(t) for m, t in times.items()}
     exact = grams["split"]

@@ -146,6 +146,14 @@ class Runner:
             probe.close()
 
 
+def interleaved(names: list[str], warmup: int, reps: int):
+    """``(rep, name)`` in the timing order: every name once per repetition, the order rotated each time
+    (so that no method always runs after the same one); ``rep < warmup`` are warm-up steps."""
+    for rep in range(warmup + reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            yield rep, name
+
+
 def bench(name: str, K: int, verbose: bool = True) -> dict[str, Any]:
     sizes, rank, B, T, warmup, reps = CONFIGS[name]
     torch.manual_seed(0)
@@ -155,14 +163,12 @@ def bench(name: str, K: int, verbose: bool = True) -> dict[str, Any]:
     grams: dict[str, np.ndarray] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # functorch's "no batching rule for sdpa" performance warning
-        for rep in range(warmup + reps):
-            order = METHODS[rep % len(METHODS):] + METHODS[: rep % len(METHODS)]
-            for method in order:
-                fwd, total, gram = runner.step(method)
-                if rep >= warmup:
-                    times[method].append((fwd, total))
-                if gram is not None:
-                    grams[method] = gram
+        for rep, method in interleaved(METHODS, warmup, reps):
+            fwd, total, gram = runner.step(method)
+            if rep >= warmup:
+                times[method].append((fwd, total))
+            if gram is not None:
+                grams[method] = gram
     runner.close()
     med = {m: statistics.median(t for _, t in ts) for m, ts in times.items()}
     bwd = {m: statistics.median(t - f for f, t in ts) for m, ts in times.items() if ts[0][0] is not None}

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_probe import CONFIGS, lora_model, lora_named, make_batch, token_loss  # noqa: E402
+from bench_probe import CONFIGS, interleaved, lora_model, lora_named, make_batch, token_loss  # noqa: E402
 
 from gradscope.probe import Probe, Sketch  # noqa: E402
 from gradscope.probe.updates import TeeStore  # noqa: E402
@@ -94,11 +94,10 @@ def bench(name: str, K: int, verbose: bool = True) -> dict[str, Any]:
     model = lora_model(sizes, rank)
     runner = Runner(model, make_batch(model.config.vocab_size, B, T, K), K)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for rep in range(warmup + reps):
-        for v in VARIANTS[rep % len(VARIANTS):] + VARIANTS[: rep % len(VARIANTS)]:
-            t = runner.step(v)
-            if rep >= warmup:
-                times[v].append(t)
+    for rep, v in interleaved(VARIANTS, warmup, reps):
+        t = runner.step(v)
+        if rep >= warmup:
+            times[v].append(t)
     med = {v: statistics.median(ts) for v, ts in times.items()}
     P = sum(p.numel() for _, p in lora_named(model))
     extra = {v: runner.extra_bytes(v) for v in VARIANTS}
