@@ -6,8 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gradscope.figures import data
-from gradscope.figures.style import save
-from gradscope.errors import GradscopeError
+from gradscope.figures.style import save_or_skip
 
 
 def _note(message: str) -> None:
@@ -39,12 +38,7 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
     written: list[Path] = []
 
     def attempt(name: str, make: Callable[[], object]) -> None:
-        try:
-            fig = make()
-        except GradscopeError as exc:
-            on_skip(f"{name} not drawn: {exc}")
-            return
-        written.extend(save(fig, out / name, formats))
+        written.extend(save_or_skip(make, out / name, on_skip, formats))
 
     attempt("cliffs", lambda: cliff_figure(series))
     pairs = [g for g in data.group_by_config(series, ignore=("policy", "seed")).values()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,7 +27,7 @@ import matplotlib as mpl
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from gradscope.errors import ConfigError
+from gradscope.errors import ConfigError, GradscopeError
 from gradscope.paths import atomic_output, check_output
 from gradscope.ranges import DPI
 
@@ -167,3 +167,15 @@ def save(fig: Figure, path_stem: str | Path, formats: str | Sequence[str] = ("pn
             with atomic_output(path) as tmp:
                 fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata[fmt], facecolor="white")
     return paths
+
+
+def save_or_skip(make: Callable[[], Figure], path_stem: str | Path, on_skip: Callable[[str], None],
+                 formats: str | Sequence[str] = ("png",)) -> list[Path]:
+    """Draw ``make()`` and :func:`save` it; a figure that cannot be drawn (GradscopeError: no data for
+    it) is reported to ``on_skip`` as one line and nothing is written. Returns the paths written."""
+    try:
+        fig = make()
+    except GradscopeError as exc:
+        on_skip(f"{Path(path_stem).name} not drawn: {exc}")
+        return []
+    return save(fig, path_stem, formats)

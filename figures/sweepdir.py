@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gradscope.errors import ConfigError, GradscopeError, RunFileError
+from gradscope.errors import ConfigError, RunFileError
 from gradscope.figures import data
 
 MANIFEST = "cells.json"
@@ -85,7 +85,7 @@ def write_report(folder: str | Path, on_skip: Callable[[str], None] = _note) -> 
     """Write the folder's tables and figures (module doc); returns the paths written."""
     from gradscope.figures.cliffs import cliff_figure
     from gradscope.figures.ipsp import ip_vs_sp_figure
-    from gradscope.figures.style import save
+    from gradscope.figures.style import save_or_skip
     from gradscope.figures.sweep import sweep_figure
     from gradscope.figures.table import format_table, seed_table, summary_table
 
@@ -103,12 +103,7 @@ def write_report(folder: str | Path, on_skip: Callable[[str], None] = _note) -> 
     others = [k for k in extra if k != "seed"]
 
     def attempt(stem: str, make: Callable[[], object]) -> None:
-        try:
-            fig = make()
-        except GradscopeError as exc:
-            on_skip(f"{stem} not drawn: {exc}")
-            return
-        written.extend(save(fig, figs / stem))
+        written.extend(save_or_skip(make, figs / stem, on_skip))
 
     by_other = _group(series, others)
     for key, group in by_other.items():
