@@ -1,9 +1,10 @@
 """A sweep folder's tables and figures: ``summary.csv``, ``table.md`` (Table 1) and ``figures/``.
 
 A folder written by ``gradscope sweep`` lists its cells in ``cells.json`` (name, run file, axis
-values); :func:`folder_runs` returns the run files of those cells that finished writing (closed by
-their writer), so every table and figure holds exactly the cells run — not stale files, not runs
-still in progress. A folder without ``cells.json`` counts every ``*.h5`` in it and in ``runs/``.
+values); :func:`folder_runs` returns the run files of those cells that finished (closed by their
+writer at the steps they were asked for, or stopped by an alert:
+:class:`gradscope.runfile.progress.RunProgress`), so every table and figure holds exactly the cells
+run — not stale files, not runs still in progress, not runs a SIGTERM closed early. A folder without ``cells.json`` counts every ``*.h5`` in it and in ``runs/``.
 
 :func:`write_report` writes, from those runs:
 
@@ -26,8 +27,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gradscope.errors import ConfigError, RunFileError
+from gradscope.errors import ConfigError
 from gradscope.figures import data
+from gradscope.runfile.progress import run_progress
 
 MANIFEST = "cells.json"
 MAX_CLIFF_COLUMNS = 4
@@ -49,12 +51,8 @@ def folder_runs(folder: str | Path, *, finished_only: bool = True) -> list[Path]
     for p in paths:
         if not p.is_file():
             continue
-        if finished_only:
-            try:
-                if not data.load(p)[1]:
-                    continue
-            except RunFileError:
-                continue
+        if finished_only and not run_progress(p).finished():
+            continue
         out.append(p)
     return out
 

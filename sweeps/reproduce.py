@@ -28,7 +28,7 @@ from gradscope.errors import GradscopeError
 from gradscope.figures import data
 from gradscope.figures.sweepdir import folder_runs
 from gradscope.figures.table import cell_table, format_cell_table, summary_table
-from gradscope.trainers.sweep.runs import last_step
+from gradscope.runfile.progress import run_progress
 
 HERE = Path(__file__).resolve().parent
 #: Every sweep behind the document, in the order the document uses them.
@@ -58,7 +58,8 @@ class Folders:
 
     @lru_cache(maxsize=None)
     def unfinished(self, name: str) -> tuple[tuple[str, RunSeries, int], ...]:
-        """(cell, run, last training step) of the runs of a folder whose writer never closed the file."""
+        """(cell, run, last training step) of the runs of a folder that did not finish (killed, or closed
+        by a SIGTERM before their last step)."""
         folder = self.root / name
         if not folder.is_dir():
             return ()
@@ -67,7 +68,7 @@ class Folders:
         for p in folder_runs(folder, finished_only=False):
             if p not in done:
                 with contextlib.suppress(GradscopeError):
-                    out.append((p.stem, data.load(p)[0], last_step(p)[0]))
+                    out.append((p.stem, data.load(p)[0], run_progress(p).last_step))
         return tuple(out)
 
     def reports(self, name: str) -> list:

@@ -33,16 +33,20 @@ def sweep_folder(root: Path, name: str, runs: dict[str, dict]) -> None:
     (root / f"{name}.log").write_text("... sweep output ...\ncpu 3600.0 360.0 wall 9000\n")
 
 
-#: A run killed at step 5 (the writer never closes the file): 5 steps of 0.2 h rollout + update each.
-KILLED = """
+#: A run of 40 steps stopped at step 5: 5 steps of 0.2 h rollout + update each. ``kill``: the writer
+#: never closes the file; ``term``: it closes it, as on a SIGTERM (closed, yet not finished).
+STOPPED = """
 import os, sys
 from gradscope.runfile import RunMeta, RunWriter
 meta = RunMeta(agents=["voter0", "aggregator"], agent_roles=["voter", "aggregator"], policies=["shared"],
-               config={"workflow": "voting", "task": "math", "model": "testbed", "policy": "sp", "seed": 3})
+               config={"workflow": "voting", "task": "math", "model": "testbed", "policy": "sp",
+                       "seed": int(sys.argv[3]), "steps": 40})
 w = RunWriter(sys.argv[1], meta, flush_every=1)
 for step in range(1, 6):
     w.log_metrics(step, {"time/rollout": 360.0, "time/update": 360.0})
 w.flush()
+if sys.argv[2] == "term":
+    w.close()
 os._exit(0)
 """
 
@@ -52,12 +56,14 @@ def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sweeps")
     sweep_folder(root, "voting_math_long", {f"{p}_seed{s}": dict(policy=p, seed=s, cliff=(p == "ip" and s == 0))
                                             for p in ("ip", "sp") for s in (0, 1, 2)})
-    manifest = root / "voting_math_long" / "cells.json"  # a 7th cell, killed: listed, in no other table
+    # a 7th cell killed and an 8th closed early (SIGTERM): listed, in no other table
+    manifest = root / "voting_math_long" / "cells.json"
     cells = json.loads(manifest.read_text())
-    cells["cells"].append({"name": "sp_seed3", "run": "runs/sp_seed3.h5", "axes": {}})
+    for seed, how in ((3, "kill"), (4, "term")):
+        cells["cells"].append({"name": f"sp_seed{seed}", "run": f"runs/sp_seed{seed}.h5", "axes": {}})
+        subprocess.run([sys.executable, "-c", STOPPED, str(root / "voting_math_long" / "runs" / f"sp_seed{seed}.h5"),
+                        how, str(seed)], check=True)
     manifest.write_text(json.dumps(cells))
-    subprocess.run([sys.executable, "-c", KILLED, str(root / "voting_math_long" / "runs" / "sp_seed3.h5")],
-                   check=True)
     sweep_folder(root, "workflows_math", {f"evalopt_{p}_seed{s}": dict(policy=p, seed=s, workflow="evalopt")
                                           for p in ("ip", "sp") for s in (0, 1)})
     return root
@@ -94,10 +100,11 @@ def test_tables_are_regenerated_from_the_folders(reproduce, root, tmp_path):
     assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 0
 
     blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(text)}
-    # compute: 6 + 4 finished runs, 40 steps each; the killed run listed with its step and its 1 step hour;
-    # 2 × 1.1 CPU hours from the logs' time lines
-    assert "| `sweeps/voting_math_long.yaml` | 6 | 240 | sp_seed3 (5 steps) | 1.00 | 1.10 |" in blocks["compute"]
-    assert "| total | 10 | 400 |  | 1.00 | 2.20 |" in blocks["compute"]
+    # compute: 6 + 4 finished runs, 40 steps each; the killed and the closed-early run listed with their
+    # step and 1 step hour each; 2 × 1.1 CPU hours from the logs' time lines
+    assert ("| `sweeps/voting_math_long.yaml` | 6 | 240 | sp_seed3 (5 steps), sp_seed4 (5 steps) | 2.00 | 1.10 |"
+            in blocks["compute"])
+    assert "| total | 10 | 400 |  | 2.00 | 2.20 |" in blocks["compute"]
     assert "not run yet" in blocks["mitigations"]
     # claim 1: one row per (workflow, task, model, policy); the cliff run is IP seed 0 and ends below base
     claim1 = blocks["claim1"]

@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradscope.errors import ConfigError, GradscopeError
+from gradscope.errors import ConfigError
+from gradscope.runfile.progress import run_progress
 
 DONE, RESUME, FRESH = "done", "resume", "fresh"
 #: Config keys a cell may change without invalidating its run file.
@@ -29,27 +30,12 @@ class RunState:
     config: dict | None  # the run file's stored config (None without a readable file)
 
 
-def last_step(path: Path) -> tuple[int, bool, bool, dict | None]:
-    """(last training step with metrics, closed, stopped by an alert, stored config) of a run file,
-    live or not; (0, False, False, None) if it cannot be read."""
-    from gradscope.runfile import open_run
-
-    try:
-        with open_run(path) as run:
-            n = run.n_metrics
-            rows = run.read_table("metrics", start=n - 1) if n else []
-            kinds = run.read_table("events")["kind"] if run.n_events else []
-            stopped = any((k.decode() if isinstance(k, bytes) else str(k)) == "stop" for k in kinds)
-            return (int(rows[-1]["step"]) if len(rows) else 0), run.closed, stopped, dict(run.meta.config)
-    except (GradscopeError, OSError, KeyError, ValueError):
-        return 0, False, False, None
-
-
 def run_state(path: Path, steps: int) -> RunState:
     if not path.exists():
         return RunState(FRESH, 0, None)
-    done, closed, stopped, config = last_step(path)
-    if closed and (done >= steps or stopped):
+    progress = run_progress(path)
+    done, config = progress.last_step, progress.config
+    if progress.finished(steps):
         return RunState(DONE, done, config)
     if config is not None and (path.with_name(path.name + ".ckpt") / "latest" / "state.pt").is_file():
         return RunState(RESUME, done, config)

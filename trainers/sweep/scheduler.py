@@ -25,7 +25,8 @@ from pathlib import Path
 from gradscope.trainers.sweep.config import SweepError
 from gradscope.trainers.sweep.grid import Cell, cell_config, train_parser
 from gradscope.trainers.sweep.progress import Progress
-from gradscope.trainers.sweep.runs import DONE, RESUME, check_same_config, last_step, run_state
+from gradscope.runfile.progress import run_progress
+from gradscope.trainers.sweep.runs import DONE, RESUME, check_same_config, run_state
 
 MANIFEST = "cells.json"
 #: ``gradscope`` in a child interpreter, whatever the working directory holds (``-m`` would put the
@@ -144,7 +145,7 @@ def run_cells(planned: list[tuple[Cell, int, str, int]], folder: Path, jobs: int
                                + (f" at step {done}" if state == RESUME else ""))
             time.sleep(poll)
             for job in list(running):
-                job.done_steps = max(job.done_steps, last_step(job.cell.run_path(folder))[0])
+                job.done_steps = max(job.done_steps, run_progress(job.cell.run_path(folder)).last_step)
                 if job.proc.poll() is None:
                     continue
                 running.remove(job)
