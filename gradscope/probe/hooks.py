@@ -54,6 +54,11 @@ Per weight and step, one of two representations, chosen by cost (:data:`GHOST_FA
   all calls gives the cross-call terms, so gradient accumulation is exact; when N passes the rule
   the rows are materialised into the dense form and the weight stays dense for the step.
 
+**The weight gradient.** Where a dense weight's call forms every row's product (per-row products, or
+one agent's ``Gᵀ A``), their sum is the call's weight gradient: the layer's backward
+(:class:`fused.HookedLinear`, installed while the method is attached) returns it instead of computing
+autograd's ``Gᵀ A`` again, so the per-agent gradients cost about no FLOPs beyond the ordinary backward.
+
 Embeddings keep their ``(ids, G, agent)`` rows and materialise at ``end`` only the U distinct rows
 touched (K × U × d; the ghost form would cost N²·d).
 
@@ -77,6 +82,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
 
 from gradscope.errors import ProbeError
+from gradscope.probe import fused
 from gradscope.probe.distributed import all_reduce_sum_
 from gradscope.probe.method import GramMethod, Terms
 from gradscope.probe.split import backward_per_agent
@@ -217,6 +223,10 @@ class HooksMethod(GramMethod):
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward, layer))
                           for layer in self.layers]
+        # the per-row products are the weight gradient: spare autograd computing it again (see fused.py)
+        # (not over a forward someone already replaced on the instance: accelerate's device hooks do that)
+        self._installed = [fused.Installed(layer.module) for layer in self.layers
+                           if store is None and type(layer.module) is nn.Linear and "forward" not in vars(layer.module)]
         self._forwards: list[_Forward] = []
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
         self._tagged: _Forward | None = None  # the forward its layer calls go to
@@ -275,7 +285,10 @@ class HooksMethod(GramMethod):
             forward = self._forwards[-1]
         piece = _Piece(layer, forward, args[0].detach(), edge=get_gradient_edge(output))
         forward.pieces.append(piece)
-        output.register_hook(partial(self._on_grad, piece))
+        if fused.is_hooked(output):
+            output.grad_fn.on_grad = partial(self._on_grad, piece)
+        else:
+            output.register_hook(partial(self._on_grad_hook, piece))
 
     @contextmanager
     def tag(self, agents: torch.Tensor, batch_dim: int | None = None) -> Iterator[None]:
@@ -303,14 +316,19 @@ class HooksMethod(GramMethod):
         recomputation, never through the call the hooks attributed."""
         self._reentrant = True
 
-    def _on_grad(self, piece: _Piece, grad: torch.Tensor) -> None:
+    def _on_grad_hook(self, piece: _Piece, grad: torch.Tensor) -> None:
+        self._on_grad(piece, grad)  # a tensor hook: returns None, so the gradient goes on unchanged
+
+    def _on_grad(self, piece: _Piece, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """A hooked call's output gradient ``grad``; for a :class:`fused.HookedLinear` call, the weight and bias
+        gradients when the per-row products give them (None where autograd must compute them)."""
         forward, x = piece.forward, piece.inputs
         forward.consumed, piece.inputs = True, None
         if not self._in_call:  # an unprobed backward, or one of a split fallback's or of the check's
-            return
+            return None
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
-            return
+            return None
         with torch.no_grad():
             layer = piece.layer
             if piece.dim:
@@ -318,21 +336,38 @@ class HooksMethod(GramMethod):
             if forward.unowned is not None and self._unowned_grad is None \
                     and bool(grad.reshape(forward.rows, -1)[forward.unowned].any()):
                 self._unowned_grad = layer.name
-            g_norm = _norm(grad)
             if layer.embedding:
-                self._add_magnitude(layer.weight, g_norm * grad[..., 0].numel() ** 0.5)
+                self._add_magnitude(layer.weight, _norm(grad) * grad[..., 0].numel() ** 0.5)
                 self._embedding_rows(layer, forward, x, grad)
-                return
+                return None
             A = x.reshape(forward.rows, -1, x.shape[-1])
             G = grad.reshape(forward.rows, -1, grad.shape[-1])
             self._compute_dtypes.update((A.dtype, G.dtype))
             # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
             A, G = A.to(self.dtype), G.to(self.dtype)
-            if layer.weight is not None:
-                self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
-            if layer.bias is not None:
-                self._add_magnitude(layer.bias, g_norm * (A.shape[0] * A.shape[1]) ** 0.5)  # Σ_t ‖G_t‖ ≤ √N ‖G‖
-            (self._linear if self.store is None else self._linear_to_store)(layer, forward, A, G)
+            if self.store is not None:
+                self._linear_magnitudes(layer, x, grad)
+                self._linear_to_store(layer, forward, A, G)
+                return None
+            dW, db, sizes = self._linear(layer, forward, A, G)
+            if self._check is not None or dW is None:
+                # the self-check compares with split's Gᵀ A, and autograd sums Gᵀ A itself: bound the token terms
+                self._linear_magnitudes(layer, x, grad)
+            else:
+                # .grad and the per-agent gradients are sums of the same per-row products P_b: they differ
+                # only by the order of summation, which Σ_b ‖P_b‖ bounds
+                for i, size in zip((layer.weight, layer.bias), sizes):
+                    if i is not None:
+                        self._add_magnitude(i, size)
+            return dW, db
+
+    def _linear_magnitudes(self, layer: _Layer, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """The magnitudes of a Linear call's token terms (``‖G‖_F ‖A‖_F``; bias ``√N ‖G‖_F``)."""
+        g_norm = _norm(grad)
+        if layer.weight is not None:
+            self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
+        if layer.bias is not None:
+            self._add_magnitude(layer.bias, g_norm * (grad[..., 0].numel()) ** 0.5)  # Σ_t ‖G_t‖ ≤ √N ‖G‖
 
     def _norm_of(self, x: torch.Tensor) -> torch.Tensor:
         """‖x‖_F in float64, once per input tensor and call (q, k and v projections share their input)."""
@@ -348,28 +383,41 @@ class HooksMethod(GramMethod):
         self._magnitude[i] = value if i not in self._magnitude else self._magnitude[i] + value
 
     # ------------------------------------------------------------------ per-agent contributions
-    def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor) -> None:
-        """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent."""
+    def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor,
+                G: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
+        """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent.
+
+        Returns ``(dW, db, sizes)``: the call's weight gradient ``Σ_b G_bᵀ A_b`` (d_out, d_in) and bias
+        gradient (d_out,) where the per-row (or one agent's) products were formed, else None; and
+        ``Σ_b ‖P_b‖_F`` of each (the scale of the rounding between their sum and the per-agent sums)."""
+        db = db_size = dW = dW_size = None
         if layer.bias is not None:
-            self._add_by_row(layer.bias, G.sum(1), fwd)
+            per_row = G.sum(1)                                        # (rows, d_out)
+            self._add_by_row(layer.bias, per_row, fwd)
+            db, db_size = per_row.sum(0), torch.linalg.vector_norm(per_row, dim=1).sum()
         if layer.weight is None:
-            return
+            return None, db, (None, db_size)
         d_out, d_in = self.params[layer.weight].shape
         n_new = len(fwd.keep) * A.shape[1]
         if layer.weight not in self._dense and (layer.n_rows + n_new) * (d_in + d_out) < GHOST_FACTOR * d_in * d_out:
             tokens = fwd.kept.repeat_interleave(A.shape[1])
             layer.rows.append((A[fwd.keep].flatten(0, 1), G[fwd.keep].flatten(0, 1), tokens))
             layer.n_rows += n_new
-            return
+            return None, db, (None, db_size)
         self._materialise(layer)
         if fwd.single is not None:
-            self._dense_of(layer.weight)[fwd.single].addmm_(G.flatten(0, 1).T, A.flatten(0, 1))
+            dW = G.flatten(0, 1).T @ A.flatten(0, 1)                  # (d_out, d_in)
+            self._dense_of(layer.weight)[fwd.single] += dW
+            dW_size = torch.linalg.vector_norm(dW)
         elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
-            self._add_by_row(layer.weight, torch.bmm(G.transpose(1, 2), A), fwd)
+            P = torch.bmm(G.transpose(1, 2), A)                       # (rows, d_out, d_in)
+            self._add_by_row(layer.weight, P, fwd)
+            dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1).sum()
         else:
             D = self._dense_of(layer.weight)
             for k, rows in fwd.by_agent.items():
                 D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
+        return dW, db, (dW_size, db_size)
 
     def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
                          store: Store | None = None) -> None:
@@ -756,7 +804,9 @@ class HooksMethod(GramMethod):
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        for installed in self._installed:
+            installed.remove()
+        self._handles, self._installed = [], []
 
     def _reset(self) -> None:
         self._dense, self._grad0, self._magnitude = {}, [], {}

@@ -1,0 +1,79 @@
+"""A probed ``nn.Linear`` whose weight gradient comes from the hooks method's per-agent products.
+
+Under the hooks method every row's ``P_b = G_bᵀ A_b`` (or, for a call of one agent, ``Gᵀ A``) is
+formed to get the per-agent gradients; their sum *is* the weight gradient, which autograd would
+otherwise compute again (``Gᵀ A``, the same products). While a probe is attached, the forward of each
+hooked ``nn.Linear`` runs :class:`HookedLinear`: an ``F.linear`` whose backward asks the probe for
+the weight (and bias) gradient and computes it itself only when the probe did not form the products
+(another path, an unprobed backward, a sketch store). The gradient still goes to the parameter
+through autograd (``AccumulateGrad``), so ``.grad`` accumulation, DDP's and FSDP's gradient hooks and
+gradient checkpointing see an ordinary backward.
+
+Not used under autocast (the backward would have to replay autocast's casts): there the layer runs
+``F.linear`` and the probe reads its output gradient with a tensor hook, as for any call.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+#: ``on_grad(G) -> (dW, db) | None``: the probe's side of a call's backward (G: (..., d_out)).
+OnGrad = Callable[[torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None] | None"]
+
+
+class HookedLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)``; the probe attaches ``on_grad`` to the call's backward node
+    (``output.grad_fn.on_grad``) after the forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.on_grad = bias is not None, None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, G: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dx = G @ weight if ctx.needs_input_grad[0] else None          # (..., d_out) @ (d_out, d_in)
+        dW = db = None
+        if ctx.on_grad is not None:
+            dW, db = ctx.on_grad(G) or (None, None)
+        if ctx.needs_input_grad[1]:
+            dW = G.reshape(-1, G.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if dW is None else dW.to(weight.dtype)
+        else:
+            dW = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = G.reshape(-1, G.shape[-1]).sum(0) if db is None else db.to(G.dtype)
+        else:
+            db = None
+        return dx, dW, db
+
+
+def is_hooked(output: torch.Tensor) -> bool:
+    """Whether ``output`` came from a :class:`HookedLinear` call."""
+    return isinstance(output.grad_fn, HookedLinear._backward_cls)
+
+
+class Installed:
+    """``module.forward`` while hooked: :class:`HookedLinear` when gradients are recorded outside
+    autocast, else ``F.linear``. Installed as an instance attribute shadowing the class's ``forward``."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module, self.active = module, True
+        module.forward = self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if not self.active or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, m.weight, m.bias)
+        return HookedLinear.apply(x, m.weight, m.bias)
+
+    def remove(self) -> None:
+        """Back to ``nn.Linear.forward``. A forward someone installed over this one (it may call this
+        one, which is now ``F.linear``) is left in place."""
+        self.active = False
+        if self.module.__dict__.get("forward") is self:
+            del self.module.forward
