@@ -79,7 +79,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradscope.errors import ProbeError
 from gradscope.probe import fused
@@ -283,7 +283,9 @@ class HooksMethod(GramMethod):
                 self._forwards.append(_Forward())
                 self._new_forward = False
             forward = self._forwards[-1]
-        piece = _Piece(layer, forward, args[0].detach(), edge=get_gradient_edge(output))
+        # (the output is never a leaf: its edge is its grad_fn; get_gradient_edge's checks cost ~40 µs a call)
+        edge = GradientEdge(output.grad_fn, output.output_nr) if output.grad_fn is not None else get_gradient_edge(output)
+        piece = _Piece(layer, forward, args[0].detach(), edge=edge)
         forward.pieces.append(piece)
         if fused.is_hooked(output):
             output.grad_fn.on_grad = partial(self._on_grad, piece)
@@ -388,8 +390,9 @@ class HooksMethod(GramMethod):
         """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent.
 
         Returns ``(dW, db, sizes)``: the call's weight gradient ``Σ_b G_bᵀ A_b`` (d_out, d_in) and bias
-        gradient (d_out,) where the per-row (or one agent's) products were formed, else None; and
-        ``Σ_b ‖P_b‖_F`` of each (the scale of the rounding between their sum and the per-agent sums)."""
+        gradient (d_out,) where the products formed for the agents (per row, or per agent over its
+        rows) add up to it, else None; and ``Σ ‖P‖_F`` over those products ``P`` (the scale of the
+        rounding between their sum and the per-agent sums)."""
         db = db_size = dW = dW_size = None
         if layer.bias is not None:
             per_row = G.sum(1)                                        # (rows, d_out)
@@ -415,8 +418,17 @@ class HooksMethod(GramMethod):
             dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1).sum()
         else:
             D = self._dense_of(layer.weight)
+            if fwd.unowned is not None:  # rows of no agent: autograd's Gᵀ A holds them
+                for k, rows in fwd.by_agent.items():
+                    D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
+                return None, db, (None, db_size)
+            sizes = []
             for k, rows in fwd.by_agent.items():
-                D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
+                P = G[rows].flatten(0, 1).T @ A[rows].flatten(0, 1)  # (d_out, d_in): agent k's rows
+                D[k] += P
+                dW = P if dW is None else dW.add_(P)
+                sizes.append(torch.linalg.vector_norm(P))
+            dW_size = torch.stack(sizes).sum()
         return dW, db, (dW_size, db_size)
 
     def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,

@@ -326,15 +326,21 @@ def test_dict_calls_and_mixed_rows_fall_back_to_split_within_the_step(order, mon
     assert rel_err(s.result.gram, brute([mixed], params)) < 1e-9
 
 
+@pytest.mark.parametrize("products", ["per-row", "per-agent"])
+@pytest.mark.parametrize("last_row", [2, -1], ids=["owned", "unowned"])
 @pytest.mark.parametrize("ghost", GHOST)
-def test_mlp_on_2d_inputs_with_biases(ghost, monkeypatch):
-    """Rows are samples (no token axis): Linear inputs (n, d); token_loss is (n, 1)."""
+def test_mlp_on_2d_inputs_with_biases(ghost, last_row, products, monkeypatch):
+    """Rows are samples (no token axis): Linear inputs (n, d); token_loss is (n, 1). Dense products per row or
+    per agent over its rows, with or without a row of no agent: the Gram is brute force's and .grad the
+    unprobed step's (the weight gradient then comes from those products, or from autograd)."""
     monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    if products == "per-agent":
+        monkeypatch.setattr(hooks_module, "_per_row", lambda *a: False)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randn(12, 3, generator=g, dtype=torch.float64)
-    agent_ids = torch.tensor([0, 1, 2, 3, 2, 1, 0, 0, 1, 3, 2, -1])[:, None]
+    agent_ids = torch.tensor([0, 1, 2, 3, 2, 1, 0, 0, 1, 3, 2, last_row])[:, None]
 
     def call(rows):
         def forward():
@@ -342,9 +348,15 @@ def test_mlp_on_2d_inputs_with_biases(ghost, monkeypatch):
             return loss, agent_ids[rows]
         return forward
     expected = brute([call(slice(None))], list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    for rows in (slice(0, 5), slice(5, 12)):
+        call(rows)()[0].sum().backward()
+    plain = grads(model)
     result, probe = run(model, "auto", [call(slice(0, 5)), call(slice(5, 12))])
     assert probe.method_name == "hooks" and probe._method.fallback_calls == 0
     assert rel_err(result.gram, expected) < 1e-9
+    for n, grad in grads(model).items():
+        torch.testing.assert_close(grad, plain[n], rtol=1e-12, atol=1e-12 * float(plain[n].abs().max()))
 
 
 def test_autocast_bf16_inputs_and_gradients_of_different_dtypes():
