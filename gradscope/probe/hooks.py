@@ -166,6 +166,10 @@ class _Forward:
     by_agent: dict[int, torch.Tensor] = field(default_factory=dict)  # row indices per agent
     unowned: torch.Tensor | None = None  # indices of rows of no agent (their gradient must be 0)
 
+    def owned(self, per_row: torch.Tensor) -> torch.Tensor:
+        """The rows with an agent of ``per_row`` (rows, ...): itself, not a gathered copy, when every row has one."""
+        return per_row if len(self.keep) == self.rows else per_row[self.keep]
+
     def attach(self, agents: torch.Tensor) -> None:
         self.rows = len(agents)
         self.agents = agents
@@ -404,7 +408,7 @@ class HooksMethod(GramMethod):
         n_new = len(fwd.keep) * A.shape[1]
         if layer.weight not in self._dense and (layer.n_rows + n_new) * (d_in + d_out) < GHOST_FACTOR * d_in * d_out:
             tokens = fwd.kept.repeat_interleave(A.shape[1])
-            layer.rows.append((A[fwd.keep].flatten(0, 1), G[fwd.keep].flatten(0, 1), tokens))
+            layer.rows.append((fwd.owned(A).flatten(0, 1), fwd.owned(G).flatten(0, 1), tokens))
             layer.n_rows += n_new
             return None, db, (None, db_size)
         self._materialise(layer)
@@ -448,12 +452,12 @@ class HooksMethod(GramMethod):
             store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
             return
         token_agents = fwd.kept.repeat_interleave(A.shape[1])
-        store.add_outer(layer.weight, token_agents, G[fwd.keep].flatten(0, 1), A[fwd.keep].flatten(0, 1))
+        store.add_outer(layer.weight, token_agents, fwd.owned(G).flatten(0, 1), fwd.owned(A).flatten(0, 1))
 
     def _sum_by_agent(self, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor:
         """(K, m): row b of ``per_row`` (rows, ...) flattened and added to its agent's row."""
         per_row = per_row.reshape(fwd.rows, -1)
-        return per_row.new_zeros(self.n_agents, per_row.shape[1]).index_add_(0, fwd.kept, per_row[fwd.keep])
+        return per_row.new_zeros(self.n_agents, per_row.shape[1]).index_add_(0, fwd.kept, fwd.owned(per_row))
 
     def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> None:
         """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape)."""
@@ -462,14 +466,14 @@ class HooksMethod(GramMethod):
             D[fwd.single] += per_row.sum(0)
             return
         per_row = per_row.reshape(fwd.rows, -1)
-        D.view(self.n_agents, -1).index_add_(0, fwd.kept, per_row if len(fwd.keep) == fwd.rows else per_row[fwd.keep])
+        D.view(self.n_agents, -1).index_add_(0, fwd.kept, fwd.owned(per_row))
 
     def _embedding_rows(self, layer: _Layer, fwd: _Forward, ids: torch.Tensor, grad: torch.Tensor,
                         store: Store | None = None) -> None:
         """The token rows (ids, G, agent) of the rows with an agent, kept for ``end`` or, with a store
         (``store``, else the method's), added to it at once; padding_idx gets no gradient."""
-        ids = ids.reshape(fwd.rows, -1)[fwd.keep]
-        G = grad.reshape(fwd.rows, ids.shape[1], -1)[fwd.keep].to(self.dtype)
+        ids = fwd.owned(ids.reshape(fwd.rows, -1))
+        G = fwd.owned(grad.reshape(fwd.rows, ids.shape[1], -1)).to(self.dtype)
         agents = fwd.kept[:, None].expand_as(ids)
         use = ids != (-1 if layer.module.padding_idx is None else layer.module.padding_idx)
         ids, G, agents = ids[use], G[use], agents[use]

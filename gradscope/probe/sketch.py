@@ -121,6 +121,7 @@ class SketchStore(Store):
         self.coeffs = [hash_coefficients(sketch.seed, n) for n in names]
         self.tensor = [_tensor_hashed(p, self.k) for p in self.params]
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._split: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (i, axis) → bucket, sign
         cells = [(g, adapter_of(n) or "") for g, n in zip(self.group_index, names)]
         self.cells = list(dict.fromkeys(cells))          # (group, adapter) per cell
         self.cell_index = [self.cells.index(c) for c in cells]
@@ -193,11 +194,11 @@ class SketchStore(Store):
         """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each row's CountSketch over
         the columns, rolled by the row's bucket and signed (``TS(X) = Σ_i s_r(i) roll(C_c x_i, h_r(i))``)."""
         rows, cols = _matrix_shape(self.params[i])
-        h_rows, h_cols = self._axis_hashes(i)
         k, a = self.k, values.shape[0]
-        Y = self._count_sketch(values.reshape(a * rows, cols), h_cols)            # (a·rows, k)
-        Y = Y * (1 - 2 * (h_rows >= k).to(Y.dtype)).repeat(a)[:, None]
-        shifted = (h_rows % k).repeat(a)[:, None] + torch.arange(k, device=self.device)
+        Y = self._count_sketch(values.reshape(a * rows, cols), i, 1)            # (a·rows, k)
+        bucket, sign = self._buckets(i, 0)
+        Y = Y * sign.repeat(a)[:, None]
+        shifted = bucket.repeat(a)[:, None] + torch.arange(k, device=self.device)
         index = shifted % k + (torch.arange(a, device=self.device) * k).repeat_interleave(rows)[:, None]
         return torch.bincount(index.reshape(-1), Y.reshape(-1), minlength=a * k).view(a, k).double()
 
@@ -218,23 +219,29 @@ class SketchStore(Store):
             self.add(i, present, torch.stack([G[agents == k].T.to(self.dtype) @ A[agents == k].to(self.dtype)
                                               for k in present]).flatten(1))
             return
-        h_rows, h_cols = self._axis_hashes(i)
-        present = agents.unique()
+        present, owner = agents.to(self.device).unique(return_inverse=True)
         spectrum = torch.zeros(len(present), self.k // 2 + 1, dtype=torch.complex128, device=self.device)
         step = max(1, FFT_VALUES // self.k)
         for lo in range(0, len(agents), step):
-            u = self._count_sketch(G[lo:lo + step], h_rows)       # (n, k)
-            v = self._count_sketch(A[lo:lo + step], h_cols)
+            u = self._count_sketch(G[lo:lo + step], i, 0)       # (n, k)
+            v = self._count_sketch(A[lo:lo + step], i, 1)
             product = torch.fft.rfft(u, dim=1) * torch.fft.rfft(v, dim=1)   # (n, k/2+1)
-            owner = (agents[lo:lo + step, None] == present[None, :]).to(product.dtype)
-            spectrum += owner.T @ product
+            spectrum.index_add_(0, owner[lo:lo + step], product.to(spectrum.dtype))
         self.state[self.cell_index[i], present] += torch.fft.irfft(spectrum, n=self.k, dim=1)
 
-    def _count_sketch(self, X: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
-        """(n, k): the CountSketch of each row of X (n, d) under signed buckets (d,)."""
-        k = self.k
-        X = X.to(self.device, self.dtype) * (1 - 2 * (signed >= k).to(self.dtype))
-        return X.new_zeros(X.shape[0], k).scatter_add_(1, (signed % k).expand_as(X), X)
+    def _buckets(self, i: int, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket (in ``[0, k)``) and sign (±1) of each row (``axis`` 0) or column (1) of tensor-hashed ``params[i]``."""
+        if (i, axis) not in self._split:
+            signed = self._axis_hashes(i)[axis]
+            self._split[i, axis] = (signed % self.k, (1 - 2 * (signed >= self.k)).to(self.dtype))
+        return self._split[i, axis]
+
+    def _count_sketch(self, X: torch.Tensor, i: int, axis: int) -> torch.Tensor:
+        """(n, k): the CountSketch of each row of X (n, d) under the signed buckets of ``params[i]``'s rows
+        (``axis`` 0) or columns (1)."""
+        bucket, sign = self._buckets(i, axis)
+        X = X.to(self.device, self.dtype) * sign
+        return X.new_zeros(X.shape[0], self.k).scatter_add_(1, bucket.expand_as(X), X)
 
     def blocks(self, g: int) -> Iterator[torch.Tensor]:
         for c, (group, _) in enumerate(self.cells):
