@@ -25,10 +25,10 @@ leaves it, to rounding):
 Time: every method on its own copy of the model, interleaved (order rotated every repetition) after
 warm-up; medians of the process's CPU time per step (``time.process_time``: with one torch thread
 it is the compute time, and other jobs on a shared machine do not add their waits to it), and
-ratios to ``plain``. Peak memory: each method in a fresh process (K = 8): the rise
+ratios to ``plain``. Peak memory: each method in fresh processes (K = 8): the rise
 of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) over two steps,
-and its ratio to plain's. One torch thread by default (the development machine is shared; see
-bench_probe.py). The Grams of all methods are compared with split's.
+median of three processes, and its ratio to plain's. One torch thread by default (the development
+machine is shared; see bench_probe.py). The Grams of all methods are compared with split's.
 
 Goals (issue 12): hooks strictly below func, Opacus and BackPACK, and <= 1.05x plain, on the LoRA LM at
 K = 4 and 8; split no slower than naive; hooks+sketch <= 1.3x plain on the MLP.
@@ -261,16 +261,26 @@ def time_methods(name: str, K: int, methods: list[str]) -> dict[str, Any]:
                                       for m, g in grams.items() if m != "split"}}
 
 
+#: Fresh processes per method and memory figure: the rise of the peak resident set depends on when the
+#: allocator hands memory back to the system (measured: 0.1 to 134 MiB for the same hooks step), so the
+#: median of several.
+MEMORY_PROCESSES = 3
+
+
 def peak_memory(name: str, K: int, method: str) -> float:
-    """MiB the peak resident set rises over two steps of ``method``, in a fresh process."""
+    """MiB the peak resident set rises over two steps of ``method``: the median over
+    :data:`MEMORY_PROCESSES` fresh processes."""
     code = ("import sys, json; sys.argv = ['x']; import bench_peers as b; "
             f"print(json.dumps(b._peak_here({name!r}, {K}, {method!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=1800,
-                         env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
-    if out.returncode:
-        raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    rises = []
+    for _ in range(MEMORY_PROCESSES):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=1800,
+                             env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+        if out.returncode:
+            raise RuntimeError(out.stderr[-2000:])
+        rises.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return statistics.median(rises)
 
 
 def _status_kib(key: str) -> int:
