@@ -189,3 +189,22 @@ def test_a_killed_run_resumes_from_its_checkpoint(tmp_path):
         assert r.closed and (r.events["kind"] == "resume").sum() == 1
         m = r.metrics
         assert m[m["name"] == "train/accuracy"]["step"].tolist() == list(range(1, steps + 1))  # each step once
+
+
+def test_a_run_from_before_a_setting_existed_matches_the_setting_at_its_default(tmp_path):
+    """A run file written before a setting existed (absent from its stored config) is the same run when the
+    cell wants the setting's default, also inside a nested config; any other value, or a changed setting,
+    is refused; steps may change."""
+    from gradscope.errors import ConfigError
+    from gradscope.trainers.sweep.runs import check_same_config
+
+    defaults = {"lr": 1e-3, "dtype": "auto", "grpo": {"clip": 0.2, "beta": 0.0}, "steps": 100}
+    stored = {"lr": 1e-3, "grpo": {"clip": 0.2}, "steps": 100}  # written before dtype and grpo.beta
+    path = tmp_path / "run.h5"
+    check_same_config(path, stored, {**defaults, "steps": 500}, defaults)
+    for wanted, named in (({**defaults, "dtype": "bf16"}, "dtype"), ({**defaults, "grpo": {"clip": 0.2, "beta": 0.1}},
+                          "grpo"), ({**defaults, "lr": 5e-3}, "lr")):
+        with pytest.raises(ConfigError, match=f"{named}: "):
+            check_same_config(path, stored, wanted, defaults)
+    with pytest.raises(ConfigError, match="dtype: "):  # without defaults a missing setting is a difference
+        check_same_config(path, stored, defaults)

@@ -42,13 +42,32 @@ def run_state(path: Path, steps: int) -> RunState:
     return RunState(FRESH, 0, config)
 
 
-def check_same_config(path: Path, stored: dict | None, wanted: dict) -> None:
-    """ConfigError when the run file at ``path`` was trained with settings the cell does not have."""
+def check_same_config(path: Path, stored: dict | None, wanted: dict, defaults: dict | None = None) -> None:
+    """ConfigError when the run file at ``path`` was trained with settings the cell does not have.
+
+    A setting the stored config lacks (the run was written by a gradscope that did not have it yet) is
+    the same when the cell wants its default (``defaults``: the config's defaults, same layout)."""
     if stored is None:
         return
+    defaults = defaults or {}
     diff = sorted(k for k in set(stored) | set(wanted) if k not in MUTABLE
-                  and json.dumps(stored.get(k), sort_keys=True) != json.dumps(wanted.get(k), sort_keys=True))
+                  and not _same(stored.get(k, _MISSING), wanted.get(k), defaults.get(k, _MISSING)))
     if diff:
         shown = ", ".join(f"{k}: {stored.get(k)!r} in the file, {wanted.get(k)!r} now" for k in diff[:3])
         raise ConfigError(f"{path} was trained with other settings ({shown}); sweep into another --out folder "
                           "or delete the run")
+
+
+_MISSING = object()
+
+
+def _same(stored, wanted, default) -> bool:
+    """``stored`` (or, missing, ``default``) equals ``wanted``; dicts compared key by key, so a setting
+    added inside one (``grpo``) counts at its default too."""
+    if stored is _MISSING:
+        stored = default
+    if isinstance(stored, dict) and isinstance(wanted, dict):
+        default = default if isinstance(default, dict) else {}
+        return all(_same(stored.get(k, _MISSING), wanted.get(k), default.get(k, _MISSING))
+                   for k in set(stored) | set(wanted))
+    return stored is not _MISSING and json.dumps(stored, sort_keys=True) == json.dumps(wanted, sort_keys=True)

@@ -82,9 +82,16 @@ def plan(cells: list[Cell], folder: Path) -> list[tuple[Cell, int, str, int]]:
         st = run_state(path, cfg.steps)
         if st.config is not None:
             wanted = json.loads(json.dumps(dataclasses.asdict(cfg.resolved())))
-            check_same_config(path, st.config, wanted)
+            check_same_config(path, st.config, wanted, _defaults())
         out.append((cell, cfg.steps, st.state, st.steps_done))
     return out
+
+
+def _defaults() -> dict:
+    """The trainer's default settings, as a run file stores its config."""
+    from gradscope.trainers.config import TrainConfig
+
+    return json.loads(json.dumps(dataclasses.asdict(TrainConfig())))
 
 
 def _die_with_parent() -> None:
