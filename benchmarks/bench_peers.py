@@ -25,9 +25,10 @@ leaves it, to rounding):
 Time: every method on its own copy of the model, interleaved (order rotated every repetition) after
 warm-up; medians of the process's CPU time per step (``time.process_time``: with one torch thread
 it is the compute time, and other jobs on a shared machine do not add their waits to it), and
-ratios to ``plain``. Peak memory: each method in fresh processes (K = 8): the rise
+ratios to ``plain``. Peak memory: each method in a fresh process (K = 8): the rise
 of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) over two steps,
-median of three processes, and its ratio to plain's. One torch thread by default (the development
+with every block of 64 KiB or more returned to the system when freed (:data:`MALLOC_ENV`), and its
+ratio to plain's. One torch thread by default (the development
 machine is shared; see bench_probe.py). The Grams of all methods are compared with split's.
 
 Goals (issue 12): hooks strictly below func, Opacus and BackPACK, and <= 1.05x plain, on the LoRA LM at
@@ -261,26 +262,22 @@ def time_methods(name: str, K: int, methods: list[str]) -> dict[str, Any]:
                                       for m, g in grams.items() if m != "split"}}
 
 
-#: Fresh processes per method and memory figure: the rise of the peak resident set depends on when the
-#: allocator hands memory back to the system (measured: 0.1 to 134 MiB for the same hooks step), so the
-#: median of several.
-MEMORY_PROCESSES = 3
+#: glibc keeps freed blocks and hands them back when it likes, which made the rise of the peak resident set
+#: vary from 0.1 to 134 MiB for the same hooks step; allocations of 64 KiB and more mapped on their own and
+#: unmapped when freed make it the step's peak of live memory (measured: 145.0-145.1 MiB over five processes).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def peak_memory(name: str, K: int, method: str) -> float:
-    """MiB the peak resident set rises over two steps of ``method``: the median over
-    :data:`MEMORY_PROCESSES` fresh processes."""
+    """MiB the peak resident set rises over two steps of ``method``, in a fresh process."""
     code = ("import sys, json; sys.argv = ['x']; import bench_peers as b; "
             f"print(json.dumps(b._peak_here({name!r}, {K}, {method!r})))")
-    rises = []
-    for _ in range(MEMORY_PROCESSES):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=1800,
-                             env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
-        if out.returncode:
-            raise RuntimeError(out.stderr[-2000:])
-        rises.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return statistics.median(rises)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=1800,
+                         env={**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _status_kib(key: str) -> int:
