@@ -80,15 +80,16 @@ def group_by_config(series: Sequence[RunSeries], ignore: Sequence[str] = ()) -> 
 
 
 def varying_keys(series: Sequence[RunSeries], exclude: Sequence[str] = ()) -> list[str]:
-    """Flag names whose values differ between the runs (beyond :data:`RUN_KEYS`, ``exclude`` and
-    what :func:`describe` already shows), in config order."""
+    """Flag names whose values differ between the runs that have them (beyond :data:`RUN_KEYS`, ``exclude``
+    and what :func:`describe` already shows), in config order. A flag some runs lack (written by a
+    gradscope that did not have it yet) varies only if the runs that have it disagree."""
     import json
 
     shown = ("workflow", "task", "model", "scale", "policy")
     configs = [flat_config(s) for s in series]
     keys = list(dict.fromkeys(k for c in configs for k in c))
     return [k for k in keys if k not in RUN_KEYS and k not in shown and k not in exclude
-            and len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
+            and len({json.dumps(c[k], sort_keys=True) for c in configs if k in c}) > 1]
 
 
 def describe(series: RunSeries) -> dict[str, str]:

@@ -258,6 +258,18 @@ def test_table(runs):
         format_table(df, "html")
 
 
+def test_a_flag_some_runs_lack_varies_only_where_they_disagree(runs):
+    """A run written before a flag existed lacks it: the flag does not split cells unless runs that have it differ."""
+    import dataclasses
+
+    base = data.load(runs["sp_ok"])[0]
+    old, new = (dataclasses.replace(base, config=dict(base.config)) for _ in range(2))
+    new.config["dtype"] = "auto"
+    assert "dtype" not in data.varying_keys([old, new])
+    other = dataclasses.replace(base, config={**base.config, "dtype": "bf16"})
+    assert "dtype" in data.varying_keys([old, new, other])
+
+
 # ------------------------------------------------------------------ output
 def test_save_formats_and_resolution(runs, tmp_path):
     from PIL import Image
