@@ -39,6 +39,8 @@ YLABELS = {
     "shares": "contribution\nshare",
     "alignment": "agent\ncosine",
 }
+#: font size of the column titles (points)
+TITLE_PT = 7
 #: lead-indicator signal name prefix → panel
 _LEAD_PANEL = {"grad_norm": "grad_norm", "coherence": "coherence", "share": "shares"}
 
@@ -58,6 +60,7 @@ def cliff_figure(runs: RunLike | Iterable[RunLike], *, size: str = "two", smooth
         fig, axes = new_figure(size, height or 1.05 * len(ROWS) + 0.9, len(ROWS), ncols,
                                sharex=True, sharey="row")
         end = max(data.last_step(s) for s in series)
+        chars = int(0.9 * fig.get_figwidth() / ncols * 72 / (0.75 * TITLE_PT))  # of a title line in one column
         top_acc = 0.0
         for c, s in enumerate(series):
             col = {name: axes[i, c] for i, name in enumerate(ROWS)}
@@ -73,8 +76,8 @@ def cliff_figure(runs: RunLike | Iterable[RunLike], *, size: str = "two", smooth
                 _mark_leads(col, cliff)
             if len(s.accuracy):
                 top_acc = max(top_acc, float(s.accuracy.max()))
-            col["accuracy"].set_title(data.title(s) + (f" · gradients: {smooth}-step mean" if smooth > 1 else ""),
-                                      fontsize=7)
+            col["accuracy"].set_title(data.title(s, width=chars) + (f" · gradients: {smooth}-step mean" if smooth > 1
+                                                                   else ""), fontsize=TITLE_PT)
         _finish(fig, axes, series, end, top_acc)
     return fig
 

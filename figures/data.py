@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -101,11 +102,22 @@ def stem(series: RunSeries) -> str:
     return Path(series.name).stem if series.name else "run"
 
 
-def title(series: RunSeries) -> str:
-    """``IP · voting/math · testbed`` (``unknown`` for what the config lacks) plus the file name."""
+def title(series: RunSeries, width: int | None = None) -> str:
+    """``IP · voting/math · testbed`` (``unknown`` for what the config lacks) plus the file name, broken
+    after ``_`` / ``.`` into lines of at most ``width`` characters where given (narrow columns)."""
     d = describe(series)
     head = f"{labels.policy_label(d['policy'])} · {d['workflow']}/{d['task']} · {d['model']}"
-    return f"{head}\n{Path(series.name).name}" if series.name else head
+    if not width:
+        return f"{head}\n{Path(series.name).name}" if series.name else head
+    out = []
+    for text, breaks in ((head, r"[^·]*(?:· )?"), (Path(series.name).name if series.name else "", r"[^_.]*[_.]?")):
+        lines = [""]
+        for piece in re.findall(breaks, text):
+            if lines[-1] and len(lines[-1]) + len(piece) > width:
+                lines.append("")
+            lines[-1] += piece
+        out += [line.strip() for line in lines if line.strip()]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------ accuracy

@@ -3,6 +3,7 @@
     python sweeps/reproduce.py                      # print every table
     python sweeps/reproduce.py --write docs/reproduction.md
     python sweeps/reproduce.py --check docs/reproduction.md   # exit 1 if the document's tables differ
+    python sweeps/reproduce.py --figures docs/img/reproduction   # redraw the folders' figures, copy the doc's
 
 A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<!-- /table -->``;
 ``--write`` replaces each block's content with the table regenerated from the folders under
@@ -386,14 +387,48 @@ def regenerate(text: str, folders: Folders, extra: dict | None = None) -> str:
     return BLOCK.sub(replace, text)
 
 
+#: The figures docs/reproduction.md shows: file name there → (sweep folder, figure of its ``figures/``).
+FIGURES = {
+    "delta_workflows_math.png": ("workflows_math", "delta.png"),
+    "delta_workflows_code.png": ("workflows_code", "delta.png"),
+    "ipsp_voting_math_long.png": ("voting_math_long", "ipsp_voting_math_testbed-0.3M.png"),
+    "cliffs_voting_math_cliff.png": ("voting_math_cliff", "cliffs.png"),
+    "ipsp_voting_math_cliff_balance.png": (
+        "voting_math_cliff", "ipsp_voting_math_testbed-0.3M_kl_coef=0.0_coherence_reg=0.0_role_balance=update.png"),
+}
+
+
+def copy_figures(root: Path, dest: Path) -> None:
+    """Redraw each sweep folder's figures (``gradscope plot sweep``) and copy the document's into ``dest``."""
+    import shutil
+
+    from gradscope.figures.sweepdir import write_report
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in sorted({folder for folder, _ in FIGURES.values()}):
+        if (root / name).is_dir():
+            write_report(root / name)
+    for target, (folder, figure) in FIGURES.items():
+        source = root / folder / "figures" / figure
+        if source.is_file():
+            shutil.copyfile(source, dest / target)
+            print(f"copied {source} -> {dest / target}")
+        else:
+            print(f"not copied: {source} (not run yet)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=HERE / "out", help="folder of the sweep folders")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", type=Path, help="rewrite the tables of this document in place")
     mode.add_argument("--check", type=Path, help="exit 1 if this document's tables are not the regenerated ones")
+    parser.add_argument("--figures", type=Path, help="also redraw the sweep folders' figures and copy the "
+                        "document's (FIGURES) into this folder")
     args = parser.parse_args(argv)
     folders = Folders(args.root)
+    if args.figures:
+        copy_figures(args.root, args.figures)
     if args.write or args.check:
         doc = args.write or args.check
         old = doc.read_text()

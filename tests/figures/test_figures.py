@@ -107,6 +107,22 @@ def test_cliffs_several_runs_share_scales(runs):
     assert titles[0].startswith("IP") and titles[1].startswith("SP")
 
 
+def test_cliffs_column_titles_of_long_run_names_do_not_overlap(runs, tmp_path):
+    """Four columns of runs with long file names (a sweep's cells): each title is broken into lines that fit
+    its column, so neighbouring titles never overlap."""
+    import shutil
+
+    long = []
+    for i, name in enumerate(["ip_cliff", "sp_cliff", "ip_ok", "sp_ok"]):
+        long.append(tmp_path / f"voting_math_0.3M_{name}_coherence_reg=0.5_seed{i}.h5")
+        shutil.copyfile(runs[name], long[-1])
+    fig = cliff_figure(long)
+    fig.canvas.draw()
+    boxes = [ax.title.get_window_extent() for ax in panels(fig, "accuracy")]
+    assert all("\n" in ax.get_title() for ax in panels(fig, "accuracy"))
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
 def test_cliffs_run_without_evaluations(runs):
     fig = cliff_figure(runs["sp_noevals"])
     assert is_no_data(panels(fig, "accuracy")[0])
