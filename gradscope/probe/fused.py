@@ -14,19 +14,13 @@ Not used under autocast (the backward would have to replay autocast's casts): th
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-#: ``on_grad(G) -> (dW, db) | None``: the probe's side of a call's backward (G: (..., d_out)).
-OnGrad = Callable[[torch.Tensor], "tuple[torch.Tensor | None, torch.Tensor | None] | None"]
-
-
 class HookedLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)``; the probe attaches ``on_grad`` to the call's backward node
-    (``output.grad_fn.on_grad``) after the forward."""
+    """``F.linear(x, weight, bias)``; the probe attaches ``on_grad(G) -> (dW, db) | None`` (G: (..., d_out))
+    to the call's backward node (``output.grad_fn.on_grad``) after the forward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -41,12 +35,14 @@ class HookedLinear(torch.autograd.Function):
         dW = db = None
         if ctx.on_grad is not None:
             dW, db = ctx.on_grad(G) or (None, None)
+            if torch.is_grad_enabled():  # create_graph: the weight gradient must be autograd's, differentiable
+                dW = db = None
         if ctx.needs_input_grad[1]:
             dW = G.reshape(-1, G.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if dW is None else dW.to(weight.dtype)
         else:
             dW = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = G.reshape(-1, G.shape[-1]).sum(0) if db is None else db.to(G.dtype)
+            db = G.reshape(-1, G.shape[-1]).sum(0) if db is None else db.to(weight.dtype)
         else:
             db = None
         return dx, dW, db

@@ -581,3 +581,29 @@ def test_bf16_model_weight_gradients_and_gram():
             torch.testing.assert_close(g.float(), plain[n].float(), rtol=3e-2, atol=3e-2 * float(plain[n].abs().max()))
     split, _ = run(model, "split", calls)
     assert rel_err(hooks.gram, split.gram) < 3e-2
+
+
+def test_a_backward_with_create_graph_through_hooked_layers_stays_differentiable():
+    """While a probe is attached its layers run HookedLinear: a backward(create_graph=True) of the user's own (a
+    gradient penalty, outside the probe's calls) still gives a differentiable .grad with the unprobed
+    second-order gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+
+    def second_order():
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward(create_graph=True)
+        w = model[0].weight
+        assert w.grad.requires_grad
+        return torch.autograd.grad(w.grad.square().sum(), w)[0]
+
+    plain = second_order()
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    try:
+        from gradscope.probe import fused
+        assert fused.is_hooked(model[0](x))
+        probed = second_order()
+    finally:
+        probe.close()
+    torch.testing.assert_close(probed, plain)
