@@ -166,22 +166,28 @@ def test_existing_run_file_is_not_overwritten(tmp_path):
 
 
 def test_ctrl_c_leaves_a_readable_run_file(tmp_path):
+    """SIGINT after 10 training steps (read from the progress bar, not the run file: the test must not depend
+    on reading a file while it is written) ends the run with exit 130 and a closed, readable run file."""
+    import re
+    import threading
+
     out = tmp_path / "run.h5"
     proc = subprocess.Popen(GRADSCOPE + ["train", "--steps", "500", "--tasks-per-step", "2", "--group-size", "4",
                                          "--n-held-out", "4", "--eval-every", "0", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stderr.read(64), "")), daemon=True)
+    reader.start()
     deadline = time.time() + 120
-    while time.time() < deadline:
-        time.sleep(0.5)
-        if out.exists():
-            try:
-                with open_run(out) as run:
-                    if run.n_steps >= 10:
-                        break
-            except Exception:  # the file may be between creation and SWMR start
-                pass
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        if any(int(n) >= 10 for n in re.findall(r"\(training\):.*?(\d+)/500", "".join(chunks))):
+            break
+    assert proc.poll() is None, "the run ended before it could be interrupted:\n" + "".join(chunks)[-2000:]
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    err = "".join(chunks)
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     with open_run(out) as run:
