@@ -54,6 +54,10 @@ def train_main(argv: Sequence[str]) -> int:
     from gradscope.trainers.distributed import world_size_from_env
     from gradscope.trainers.train import Trainer
 
+    # SIGINT always interrupts (and closes the run file), also when this process inherited it ignored: a
+    # parent that ignores SIGINT (nohup, `&` in a script, some libraries' C code) passes that on, and then
+    # neither Ctrl-C nor `gradscope sweep` interrupting its runs would stop the run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if world_size_from_env() > 1:  # torchrun tears a job down with SIGTERM: close the run file cleanly
         signal.signal(signal.SIGTERM, _interrupt)
     try:
