@@ -323,11 +323,12 @@ class HooksMethod(GramMethod):
         self._reentrant = True
 
     def _on_grad_hook(self, piece: _Piece, grad: torch.Tensor) -> None:
-        self._on_grad(piece, grad)  # a tensor hook: returns None, so the gradient goes on unchanged
+        self._on_grad(piece, grad, fused=False)  # a tensor hook: returns None, so the gradient goes on unchanged
 
-    def _on_grad(self, piece: _Piece, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """A hooked call's output gradient ``grad``; for a :class:`fused.HookedLinear` call, the weight and bias
-        gradients when the per-row products give them (None where autograd must compute them)."""
+    def _on_grad(self, piece: _Piece, grad: torch.Tensor,
+                 fused: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """A hooked call's output gradient ``grad``; for a :class:`fused.HookedLinear` call (``fused``), the weight
+        and bias gradients when the per-row products give them (None where autograd must compute them)."""
         forward, x = piece.forward, piece.inputs
         forward.consumed, piece.inputs = True, None
         if not self._in_call:  # an unprobed backward, or one of a split fallback's or of the check's
@@ -356,7 +357,7 @@ class HooksMethod(GramMethod):
                 self._linear_to_store(layer, forward, A, G)
                 return None
             dW, db, sizes = self._linear(layer, forward, A, G)
-            if self._check is not None or dW is None:
+            if self._check is not None or dW is None or not fused:
                 # the self-check compares with split's Gᵀ A, and autograd sums Gᵀ A itself: bound the token terms
                 self._linear_magnitudes(layer, x, grad)
             else:
