@@ -4,7 +4,8 @@ A folder written by ``gradscope sweep`` lists its cells in ``cells.json`` (name,
 values); :func:`folder_runs` returns the run files of those cells that finished (closed by their
 writer at the steps they were asked for, or stopped by an alert:
 :class:`gradscope.runfile.progress.RunProgress`), so every table and figure holds exactly the cells
-run — not stale files, not runs still in progress, not runs a SIGTERM closed early. A folder without ``cells.json`` counts every ``*.h5`` in it and in ``runs/``.
+run — not stale files, not runs still in progress, not runs a SIGTERM closed early. A folder
+without ``cells.json`` counts every ``*.h5`` in it and in ``runs/``.
 
 :func:`write_report` writes, from those runs:
 
