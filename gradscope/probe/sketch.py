@@ -191,16 +191,20 @@ class SketchStore(Store):
         return out
 
     def _project_matrices(self, i: int, values: torch.Tensor) -> torch.Tensor:
-        """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each row's CountSketch over
-        the columns, rolled by the row's bucket and signed (``TS(X) = Σ_i s_r(i) roll(C_c x_i, h_r(i))``)."""
+        """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each matrix's rows CountSketched
+        (``C_r X``, k × cols), then its columns (``Z = C_r X C_cᵀ``, k × k), then Z's entries summed by
+        (row bucket + column bucket) mod k (:func:`_wrap_diagonals`): additions of whole rows, no index per value."""
         rows, cols = _matrix_shape(self.params[i])
-        k, a = self.k, values.shape[0]
-        Y = self._count_sketch(values.reshape(a * rows, cols), i, 1)            # (a·rows, k)
-        bucket, sign = self._buckets(i, 0)
-        Y = Y * sign.repeat(a)[:, None]
-        shifted = bucket.repeat(a)[:, None] + torch.arange(k, device=self.device)
-        index = shifted % k + (torch.arange(a, device=self.device) * k).repeat_interleave(rows)[:, None]
-        return torch.bincount(index.reshape(-1), Y.reshape(-1), minlength=a * k).view(a, k).double()
+        h_rows, h_cols = self._axis_hashes(i)  # signed buckets in [0, 2k): the bucket, and the sign by the half
+        k = self.k
+        out = torch.empty(values.shape[0], k, dtype=torch.float64, device=self.device)
+        for a, X in enumerate(values.reshape(-1, rows, cols)):
+            R = torch.zeros(2 * k, cols, dtype=self.dtype, device=self.device)
+            R.index_add_(0, h_rows, X.to(self.device, self.dtype))
+            R = (R[:k] - R[k:]).T.contiguous()                                 # (cols, k): (C_r X)ᵀ
+            C = R.new_zeros(2 * k, k).index_add_(0, h_cols, R)
+            out[a] = _wrap_diagonals(C[:k] - C[k:])
+        return out
 
     def add(self, i: int, agents: Sequence[int], values: torch.Tensor, start: int = 0) -> None:
         self.state[self.cell_index[i], list(agents)] += self._project(i, values, start)
@@ -258,6 +262,14 @@ class SketchStore(Store):
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.state]
+
+
+def _wrap_diagonals(Z: torch.Tensor) -> torch.Tensor:
+    """(k,) sums of a (k, k) matrix's entries by (row + column) mod k: ``out[c] = Σ_b Z[b, (c - b) mod k]``,
+    read as a strided view of ``[Z Z]`` (entry (b, c) at offset ``b (2k - 1) + k + c``)."""
+    k = Z.shape[0]
+    twice = torch.cat([Z, Z], 1)  # (k, 2k)
+    return twice.as_strided((k, k), (2 * k - 1, 1), twice.storage_offset() + k).sum(0)
 
 
 def _tensor_hashed(p: torch.Tensor, k: int) -> bool:
