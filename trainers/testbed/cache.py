@@ -86,9 +86,14 @@ def pinned_digest(cfg: WarmStartConfig) -> str | None:
     return pins.get(config_id(cfg), {}).get("digest")
 
 
+def cached_path(cfg: WarmStartConfig) -> Path:
+    """Where the warm start of ``cfg`` is (or will be) cached."""
+    return cache_dir() / "testbed" / f"warmstart-{cache_key(cfg)}.pt"
+
+
 def warm_started_model(cfg: WarmStartConfig = WarmStartConfig(), *, verbose: bool = False) -> torch.nn.Module:
     """The warm-started testbed base model (eval mode): from the cache, else built (once) and cached."""
-    path = cache_dir() / "testbed" / f"warmstart-{cache_key(cfg)}.pt"
+    path = cached_path(cfg)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path.with_suffix(".lock"), verbose):
