@@ -92,6 +92,10 @@ from gradscope.probe.store import FlatStore, Store, squared_norms
 GHOST_FACTOR = 1.0
 #: Per-row products G_bᵀ A_b (rows × d_out × d_in values) up to this size; beyond, one matmul per agent.
 PER_ROW_LIMIT = 1 << 24
+#: A Gram computed in fp32 whose largest diagonal entry (squared gradient norm) is below this is computed
+#: again in float64: fp32 squares of gradient entries below ~1e-19 underflow (the relative error of n summed
+#: squares is at most n · 1.2e-38 / 1e-20 = 1.2e-18 · n, negligible above it).
+PRECISE_BELOW = 1e-20
 
 
 def supported(module: nn.Module) -> bool:
@@ -773,16 +777,11 @@ class HooksMethod(GramMethod):
         return _least_precise({p.dtype for p in self.params} | self._compute_dtypes)
 
     def _local_grams(self, per_param: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """(G, K, K) float64: ``D Dᵀ`` per dense weight and the ghost / touched-rows Grams, in the accumulation
+        dtype; a weight's Gram whose largest diagonal entry is below :data:`PRECISE_BELOW` is computed again
+        in float64 (squares of fp32 values below ~1e-19 underflow to zero)."""
         per_device: dict[torch.device, torch.Tensor] = {}
-
-        def add(i: int, gram: torch.Tensor) -> None:
-            if gram.device not in per_device:
-                per_device[gram.device] = gram.new_zeros(self.n_groups, self.n_agents, self.n_agents,
-                                                         dtype=torch.float64)
-            per_device[gram.device][self.group_index[i]] += gram
-            if per_param is not None:
-                per_param[i] = gram.cpu().numpy()
-
+        pending: list[tuple[int, torch.Tensor, Callable[[], torch.Tensor]]] = []  # (param, Gram, in float64)
         for layer in self.layers:
             if not layer.rows:
                 continue
@@ -790,10 +789,23 @@ class HooksMethod(GramMethod):
                 self._materialise(layer)
                 continue
             rows = [torch.cat(parts) for parts in zip(*layer.rows)]
-            add(layer.weight, (_touched_rows_gram if layer.embedding else _ghost_gram)(*rows, self.n_agents))
+            gram_of = _touched_rows_gram if layer.embedding else _ghost_gram
+            wide = [rows[0] if layer.embedding else rows[0].double(), rows[1].double(), rows[2]]
+            pending.append((layer.weight, gram_of(*rows, self.n_agents), partial(gram_of, *wide, self.n_agents)))
         for i, D in self._dense.items():
             flat = D.reshape(self.n_agents, -1)
-            add(i, (flat @ flat.T).double())
+            pending.append((i, flat @ flat.T, partial(_self_gram, flat.double())))
+        if self.dtype != torch.float64 and pending:  # one device sync for all the weights
+            peaks = torch.stack([g.diagonal().max().to(torch.float64).cpu() for _, g, _ in pending]).tolist()
+        else:
+            peaks = [PRECISE_BELOW] * len(pending)
+        for (i, gram, precise), peak in zip(pending, peaks):
+            gram = (precise() if peak < PRECISE_BELOW else gram).double()
+            if gram.device not in per_device:
+                per_device[gram.device] = gram.new_zeros(self.n_groups, self.n_agents, self.n_agents)
+            per_device[gram.device][self.group_index[i]] += gram
+            if per_param is not None:
+                per_param[i] = gram.cpu().numpy()
         grams = sum((g.cpu() for g in per_device.values()),
                     torch.zeros(self.n_groups, self.n_agents, self.n_agents, dtype=torch.float64))
         return grams.numpy()
@@ -937,6 +949,10 @@ def _differs(a: np.ndarray, b: np.ndarray, tol: float, eps: float, magnitude: np
     S = magnitude[:, None, None]
     allowed = 10 * tol * d[:, :, None] * d[:, None, :] + 10 * eps * S * (d[:, :, None] + d[:, None, :] + S)
     return (np.abs(a - b) > allowed + np.finfo(np.float64).tiny).any(axis=(1, 2))
+
+
+def _self_gram(flat: torch.Tensor) -> torch.Tensor:
+    return flat @ flat.T
 
 
 def _ghost_gram(A: torch.Tensor, G: torch.Tensor, agents: torch.Tensor, K: int) -> torch.Tensor:
