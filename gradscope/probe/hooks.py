@@ -790,15 +790,18 @@ class HooksMethod(GramMethod):
                 continue
             rows = [torch.cat(parts) for parts in zip(*layer.rows)]
             gram_of = _touched_rows_gram if layer.embedding else _ghost_gram
-            wide = [rows[0] if layer.embedding else rows[0].double(), rows[1].double(), rows[2]]
-            pending.append((layer.weight, gram_of(*rows, self.n_agents), partial(gram_of, *wide, self.n_agents)))
+            pending.append((layer.weight, gram_of(*rows, self.n_agents), _in_float64(gram_of, rows, self.n_agents)))
         for i, D in self._dense.items():
             flat = D.reshape(self.n_agents, -1)
-            pending.append((i, flat @ flat.T, partial(_self_gram, flat.double())))
-        if self.dtype != torch.float64 and pending:  # one device sync for all the weights
-            peaks = torch.stack([g.diagonal().max().to(torch.float64).cpu() for _, g, _ in pending]).tolist()
-        else:
-            peaks = [PRECISE_BELOW] * len(pending)
+            pending.append((i, flat @ flat.T, _in_float64(_flat_gram, [flat], self.n_agents)))
+        peaks = [PRECISE_BELOW] * len(pending)
+        if self.dtype != torch.float64:  # one device sync per device for all the weights
+            on: dict[torch.device, list[int]] = {}
+            for j, (_, gram, _) in enumerate(pending):
+                on.setdefault(gram.device, []).append(j)
+            for js in on.values():
+                for j, peak in zip(js, torch.stack([pending[j][1].diagonal().max().double() for j in js]).tolist()):
+                    peaks[j] = peak
         for (i, gram, precise), peak in zip(pending, peaks):
             gram = (precise() if peak < PRECISE_BELOW else gram).double()
             if gram.device not in per_device:
@@ -951,7 +954,15 @@ def _differs(a: np.ndarray, b: np.ndarray, tol: float, eps: float, magnitude: np
     return (np.abs(a - b) > allowed + np.finfo(np.float64).tiny).any(axis=(1, 2))
 
 
-def _self_gram(flat: torch.Tensor) -> torch.Tensor:
+def _in_float64(gram_of: Callable[..., torch.Tensor], rows: list[torch.Tensor], K: int) -> Callable[[], torch.Tensor]:
+    """``gram_of(*rows, K)`` with its float rows in float64, computed when called (rarely: PRECISE_BELOW)."""
+    def compute() -> torch.Tensor:
+        return gram_of(*[r.double() if r.is_floating_point() else r for r in rows], K)
+    return compute
+
+
+def _flat_gram(flat: torch.Tensor, K: int) -> torch.Tensor:
+    """(K, K) ``flat flatᵀ`` of per-agent gradients flat (K, m)."""
     return flat @ flat.T
 
 
