@@ -14,6 +14,8 @@ Not used under autocast (the backward would have to replay autocast's casts): th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,14 +40,19 @@ class HookedLinear(torch.autograd.Function):
             if torch.is_grad_enabled():  # create_graph: the weight gradient must be autograd's, differentiable
                 dW = db = None
         if ctx.needs_input_grad[1]:
-            dW = G.reshape(-1, G.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if dW is None else dW.to(weight.dtype)
+            dW = G.reshape(-1, G.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if dW is None else as_dtype(dW, weight.dtype)
         else:
             dW = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = G.reshape(-1, G.shape[-1]).sum(0) if db is None else db.to(weight.dtype)
+            db = G.reshape(-1, G.shape[-1]).sum(0) if db is None else as_dtype(db, weight.dtype)
         else:
             db = None
         return dx, dW, db
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without the call when x has that dtype (these paths run 100s of times a step)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def is_hooked(output: torch.Tensor) -> bool:
@@ -55,17 +62,24 @@ def is_hooked(output: torch.Tensor) -> bool:
 
 class Installed:
     """``module.forward`` while hooked: :class:`HookedLinear` when gradients are recorded outside
-    autocast, else ``F.linear``. Installed as an instance attribute shadowing the class's ``forward``."""
+    autocast, else ``F.linear``; then ``on_call(module, (x,), output)``, as a forward hook would be called
+    (the layer needs no forward hook, so ``nn.Module.__call__`` keeps its fast path). Installed as an
+    instance attribute shadowing the class's ``forward``."""
 
-    def __init__(self, module: nn.Linear) -> None:
-        self.module, self.active = module, True
+    def __init__(self, module: nn.Linear, on_call: Callable[[nn.Module, tuple, torch.Tensor], None]) -> None:
+        self.module, self.on_call, self.active = module, on_call, True
         module.forward = self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
-        if not self.active or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+        if not self.active:
             return F.linear(x, m.weight, m.bias)
-        return HookedLinear.apply(x, m.weight, m.bias)
+        if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+            output = F.linear(x, m.weight, m.bias)
+        else:
+            output = HookedLinear.apply(x, m.weight, m.bias)
+        self.on_call(m, (x,), output)
+        return output
 
     def remove(self) -> None:
         """Back to ``nn.Linear.forward``. A forward someone installed over this one (it may call this

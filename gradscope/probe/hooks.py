@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -84,6 +84,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from gradscope.errors import ProbeError
 from gradscope.probe import fused
 from gradscope.probe.distributed import all_reduce_sum_
+from gradscope.probe.fused import as_dtype
 from gradscope.probe.method import GramMethod, Terms
 from gradscope.probe.split import backward_per_agent
 from gradscope.probe.store import FlatStore, Store, squared_norms
@@ -96,6 +97,7 @@ PER_ROW_LIMIT = 1 << 24
 #: again in float64: fp32 squares of gradient entries below ~1e-19 underflow (the relative error of n summed
 #: squares is at most n · 1.2e-38 / 1e-20 = 1.2e-18 · n, negligible above it).
 PRECISE_BELOW = 1e-20
+_NO_CONTEXT = nullcontext()
 
 
 def supported(module: nn.Module) -> bool:
@@ -165,6 +167,7 @@ class _Forward:
     rows: int = 0
     agents: torch.Tensor | None = None  # (rows,) agent per row, -1 for none; set for a hooks call
     keep: torch.Tensor | None = None    # indices of the rows with an agent
+    n_kept: int = 0                     # their number
     kept: torch.Tensor | None = None    # their agents
     single: int | None = None           # the agent, when every row is that agent's
     by_agent: dict[int, torch.Tensor] = field(default_factory=dict)  # row indices per agent
@@ -172,13 +175,14 @@ class _Forward:
 
     def owned(self, per_row: torch.Tensor) -> torch.Tensor:
         """The rows with an agent of ``per_row`` (rows, ...): itself, not a gathered copy, when every row has one."""
-        return per_row if len(self.keep) == self.rows else per_row[self.keep]
+        return per_row if self.n_kept == self.rows else per_row[self.keep]
 
     def attach(self, agents: torch.Tensor) -> None:
         self.rows = len(agents)
         self.agents = agents
         self.keep = (agents >= 0).nonzero().squeeze(1)
         self.kept = agents[self.keep]
+        self.n_kept = len(self.keep)
         present = sorted(set(agents.tolist()))
         self.single = present[0] if len(present) == 1 and present[0] >= 0 else None
         self.by_agent = {k: (agents == k).nonzero().squeeze(1) for k in present if k >= 0}
@@ -228,13 +232,15 @@ class HooksMethod(GramMethod):
             raise ProbeError(f"hooks cannot attribute parameters {uncovered}; use method='split'")
         self.strict, self.check_every, self.grad_reduced = strict or grad_reduced, check_every, grad_reduced
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        # the per-row products are the weight gradient: spare autograd computing it again (see fused.py); the
+        # installed forward reports each call itself. (Not over a forward someone already replaced on the
+        # instance: accelerate's device hooks do that; those layers, and the others, get a forward hook.)
+        self._installed = [fused.Installed(layer.module, partial(self._on_forward, layer)) for layer in self.layers
+                           if store is None and type(layer.module) is nn.Linear and "forward" not in vars(layer.module)]
+        installed = {id(i.module) for i in self._installed}
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward, layer))
-                          for layer in self.layers]
-        # the per-row products are the weight gradient: spare autograd computing it again (see fused.py)
-        # (not over a forward someone already replaced on the instance: accelerate's device hooks do that)
-        self._installed = [fused.Installed(layer.module) for layer in self.layers
-                           if store is None and type(layer.module) is nn.Linear and "forward" not in vars(layer.module)]
+                          for layer in self.layers if id(layer.module) not in installed]
         self._forwards: list[_Forward] = []
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
         self._tagged: _Forward | None = None  # the forward its layer calls go to
@@ -340,7 +346,7 @@ class HooksMethod(GramMethod):
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
             return None
-        with torch.no_grad():
+        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:  # (a backward runs without grad)
             layer = piece.layer
             if piece.dim:
                 x, grad = x.movedim(piece.dim, 0), grad.movedim(piece.dim, 0)
@@ -355,7 +361,7 @@ class HooksMethod(GramMethod):
             G = grad.reshape(forward.rows, -1, grad.shape[-1])
             self._compute_dtypes.update((A.dtype, G.dtype))
             # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
-            A, G = A.to(self.dtype), G.to(self.dtype)
+            A, G = as_dtype(A, self.dtype), as_dtype(G, self.dtype)
             if self.store is not None:
                 self._linear_magnitudes(layer, x, grad)
                 self._linear_to_store(layer, forward, A, G)
@@ -410,7 +416,7 @@ class HooksMethod(GramMethod):
         if layer.weight is None:
             return None, db, (None, db_size)
         d_out, d_in = self.params[layer.weight].shape
-        n_new = len(fwd.keep) * A.shape[1]
+        n_new = fwd.n_kept * A.shape[1]
         if layer.weight not in self._dense and (layer.n_rows + n_new) * (d_in + d_out) < GHOST_FACTOR * d_in * d_out:
             tokens = fwd.kept.repeat_interleave(A.shape[1])
             layer.rows.append((fwd.owned(A).flatten(0, 1), fwd.owned(G).flatten(0, 1), tokens))
