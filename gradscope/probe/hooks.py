@@ -786,7 +786,6 @@ class HooksMethod(GramMethod):
         """(G, K, K) float64: ``D Dᵀ`` per dense weight and the ghost / touched-rows Grams, in the accumulation
         dtype; a weight's Gram whose largest diagonal entry is below :data:`PRECISE_BELOW` is computed again
         in float64 (squares of fp32 values below ~1e-19 underflow to zero)."""
-        per_device: dict[torch.device, torch.Tensor] = {}
         pending: list[tuple[int, torch.Tensor, Callable[[], torch.Tensor]]] = []  # (param, Gram, in float64)
         for layer in self.layers:
             if not layer.rows:
@@ -800,23 +799,21 @@ class HooksMethod(GramMethod):
         for i, D in self._dense.items():
             flat = D.reshape(self.n_agents, -1)
             pending.append((i, flat @ flat.T, _in_float64(_flat_gram, [flat], self.n_agents)))
-        peaks = [PRECISE_BELOW] * len(pending)
-        if self.dtype != torch.float64:  # one device sync per device for all the weights
-            on: dict[torch.device, list[int]] = {}
-            for j, (_, gram, _) in enumerate(pending):
-                on.setdefault(gram.device, []).append(j)
-            for js in on.values():
-                for j, peak in zip(js, torch.stack([pending[j][1].diagonal().max().double() for j in js]).tolist()):
-                    peaks[j] = peak
-        for (i, gram, precise), peak in zip(pending, peaks):
-            gram = (precise() if peak < PRECISE_BELOW else gram).double()
-            if gram.device not in per_device:
-                per_device[gram.device] = gram.new_zeros(self.n_groups, self.n_agents, self.n_agents)
-            per_device[gram.device][self.group_index[i]] += gram
+        grams = torch.zeros(self.n_groups, self.n_agents, self.n_agents, dtype=torch.float64)
+        on: dict[torch.device, list[int]] = {}
+        for j, (_, gram, _) in enumerate(pending):
+            on.setdefault(gram.device, []).append(j)
+        for device, js in on.items():  # a few ops (and one sync) per device, not per weight
+            stacked = torch.stack([pending[j][1] for j in js]).double()                    # (n, K, K)
+            if self.dtype != torch.float64:
+                low = stacked.diagonal(dim1=1, dim2=2).amax(1) < PRECISE_BELOW
+                for r in low.nonzero().flatten().tolist():
+                    stacked[r] = pending[js[r]][2]()
+            index = torch.tensor([self.group_index[pending[j][0]] for j in js], device=device)
+            grams += torch.zeros_like(grams, device=device).index_add_(0, index, stacked).cpu()
             if per_param is not None:
-                per_param[i] = gram.cpu().numpy()
-        grams = sum((g.cpu() for g in per_device.values()),
-                    torch.zeros(self.n_groups, self.n_agents, self.n_agents, dtype=torch.float64))
+                for r, j in enumerate(js):
+                    per_param[pending[j][0]] = stacked[r].cpu().numpy()
         return grams.numpy()
 
     def abort(self) -> None:
