@@ -540,6 +540,8 @@ def test_weight_gradients_come_from_the_per_row_products_and_close_restores_the_
     own.forward = lambda x, _m=own: F.linear(x, _m.weight, _m.bias)  # e.g. accelerate's device hook
     model.zero_grad(set_to_none=True)
     probe = Probe(model, AGENTS, ROLES)
+    # an installed forward reports its calls itself; the layer whose forward was replaced keeps a forward hook
+    assert all(not m._forward_hooks for m in linears[1:]) and len(own._forward_hooks) == 1
     seen = []
     with probe.step(0) as s:
         out = None
