@@ -392,6 +392,7 @@ FIGURES = {
     "delta_workflows_math.png": ("workflows_math", "delta.png"),
     "delta_workflows_code.png": ("workflows_code", "delta.png"),
     "ipsp_voting_math_long.png": ("voting_math_long", "ipsp_voting_math_testbed-0.3M.png"),
+    "ipsp_voting_math_scale.png": ("voting_math_scale", "ipsp_voting_math_testbed-1.5M.png"),
     "cliffs_voting_math_cliff.png": ("voting_math_cliff", "cliffs.png"),
     "ipsp_voting_math_cliff_balance.png": (
         "voting_math_cliff", "ipsp_voting_math_testbed-0.3M_kl_coef=0.0_coherence_reg=0.0_role_balance=update.png"),
