@@ -16,7 +16,7 @@ def _load(name: str):
 
 def main() -> None:
     for name in ("bench_writer", "bench_analyze", "bench_probe", "bench_peers", "bench_updates", "bench_alerts",
-                 "comm_volume", "bench_sandbox", "bench_scales"):
+                 "comm_volume", "bench_sandbox", "bench_scales", "bench_hook_overhead"):
         print(f"== {name}")
         _load(name).main()
 
