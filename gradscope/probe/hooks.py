@@ -623,14 +623,14 @@ class HooksMethod(GramMethod):
                                               "since the previous backward (reentrant gradient checkpointing, "
                                               "use_reentrant=True, runs the checkpointed layers without grad: "
                                               "use use_reentrant=False)")
+        if row_agents is None:  # also for tagged forwards: a row's gradient mixes its agents, whatever its tag
+            raise _Fallback("mixed-rows", "a row holds tokens of several agents")
         untagged = [f for f in live if f.tag is None]
         if untagged and len(live) > 1:
             raise _Fallback("untagged-forwards", f"{len(live)} forwards of the model since the previous backward, "
                             f"{len(untagged)} without row tags: their rows cannot be matched to the loss's rows "
                             "without trusting call order; tag each forward: with s.rows(agent_of_row): model(...)")
         if untagged:
-            if row_agents is None:
-                raise _Fallback("mixed-rows", "a row holds tokens of several agents")
             untagged[0].tag = row_agents
         for f in live:
             B = len(f.tag)

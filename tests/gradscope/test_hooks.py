@@ -632,3 +632,25 @@ def test_vanishing_gradients_neither_underflow_the_gram_nor_fail_the_add_up_chec
     assert 0 < np.diagonal(grams["split"]).max() < 1e-40
     if form != "sketch":  # (a sketch estimates the Gram; it must only not fail)
         assert rel_err(grams["hooks"], grams["split"]) < 1e-5
+
+
+@pytest.mark.parametrize("check_every", [None, 0])
+def test_tagged_forward_with_rows_of_several_agents_goes_to_split(check_every):
+    """A forward tagged with one agent per row (e.g. the largest agent id of the row's tokens, as an
+    integration might) whose loss has a row holding two agents' tokens: hooks cannot split that row, so
+    the call goes to split — also without the self-check, which would otherwise not be there to catch it."""
+    model = EmbedLM(dtype=torch.float64)
+    params = list(model.parameters())
+    mixed = embed_case(model, mix_row=True)()
+    expected = brute([mixed], params)
+    model.zero_grad(set_to_none=True)
+    probe = Probe(model, AGENTS, ROLES, method="auto", check_every=check_every)
+    _, ids = mixed()
+    model.zero_grad(set_to_none=True)
+    with probe.step(0) as s:
+        with s.rows(ids.max(1).values):
+            loss, ids = mixed()
+        s.backward_tokens(loss, ids)
+    probe.close()
+    assert s.result.method == "split-fallback:mixed-rows" and not probe._method.failed_check
+    assert rel_err(s.result.gram, expected) < 1e-9
