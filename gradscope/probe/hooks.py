@@ -246,6 +246,8 @@ class HooksMethod(GramMethod):
         self._tagged: _Forward | None = None  # the forward its layer calls go to
         self._new_forward = True
         self._in_call = False
+        self._own = False  # a split fallback's or the self-check's backward is running
+        self._aux = False  # since the last probed backward, a backward outside the probe reached hooked calls
         self._missed = False
         self._reentrant = False
         self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
@@ -342,6 +344,7 @@ class HooksMethod(GramMethod):
         forward, x = piece.forward, piece.inputs
         forward.consumed, piece.inputs = True, None
         if not self._in_call:  # an unprobed backward, or one of a split fallback's or of the check's
+            self._aux = self._aux or not self._own
             return None
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
@@ -557,9 +560,11 @@ class HooksMethod(GramMethod):
             def sink(i: int, k: int, grad: torch.Tensor) -> None:  # noqa: F811 (both sides see these gradients)
                 inner(i, k, grad)
                 check.add_grad(i, k, grad)
+        self._own = True
         try:
             backward_per_agent(self.params, terms, retain_graph, sink)
         finally:
+            self._own, self._aux = False, False
             self._forwards = [f for f in self._forwards if f is self._tagged]
 
     def _add_agent_grad(self, i: int, agent: int, grad: torch.Tensor) -> None:
@@ -600,7 +605,7 @@ class HooksMethod(GramMethod):
         try:
             torch.autograd.backward(loss.sum(), retain_graph=retain_graph or checking)
         finally:
-            self._in_call, self._norms = False, {}
+            self._in_call, self._norms, self._aux = False, {}, False
             self._forwards = [f for f in self._forwards if f is self._tagged]
         if self._reentrant:
             raise ProbeError("hooks: the backward went through layers recomputed by reentrant gradient checkpointing "
@@ -618,6 +623,10 @@ class HooksMethod(GramMethod):
         if len([f for f in live if f.tag is None]) > 1 or (len(live) > 1 and any(f.tag is None for f in live)):
             reachable = _reachable_nodes(loss)  # forwards never back-propagated (stale) do not count
             live = [f for f in live if any(id(p.edge.node) in reachable for p in f.pieces)]
+        if not live and self._aux:
+            raise _Fallback("unmatched-rows", "the forward was already back-propagated by a backward outside the "
+                                              "probe (torch.autograd.grad or .backward() of another loss, e.g. a "
+                                              "regulariser's); hooks attributes only a forward's first backward")
         if not live:
             raise _Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
                                               "since the previous backward (reentrant gradient checkpointing, "
@@ -669,7 +678,12 @@ class HooksMethod(GramMethod):
             todo += [(k, loss.sum() * 0) for k in range(self.n_agents) if k not in have]
         edges = [piece.edge for piece, _ in calls]
         for j, (k, term) in enumerate(todo):
-            grads = torch.autograd.grad(term, edges, retain_graph=retain_graph or j < len(todo) - 1, allow_unused=True)
+            self._own = True
+            try:
+                grads = torch.autograd.grad(term, edges, retain_graph=retain_graph or j < len(todo) - 1,
+                                            allow_unused=True)
+            finally:
+                self._own = False
             whole = _Forward()  # every row agent k's: no row tag involved
             with torch.no_grad():
                 whole.attach(torch.tensor([k], device=term.device))

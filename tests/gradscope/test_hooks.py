@@ -654,3 +654,22 @@ def test_tagged_forward_with_rows_of_several_agents_goes_to_split(check_every):
     probe.close()
     assert s.result.method == "split-fallback:mixed-rows" and not probe._method.failed_check
     assert rel_err(s.result.gram, expected) < 1e-9
+
+
+def test_a_forward_already_back_propagated_outside_the_probe_goes_to_split_saying_so():
+    """A regulariser's autograd.grad through the forward before the probed backward (the trainer's coherence
+    regulariser does this): hooks attributes a forward's first backward only, so the call goes to split, and
+    the warning names that cause (not reentrant checkpointing)."""
+    model = EmbedLM(dtype=torch.float64)
+    call = embed_case(model)()
+    expected = brute([call], list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    probe = Probe(model, AGENTS, ROLES, method="auto")
+    with probe.step(0) as s:
+        loss, ids = call()
+        torch.autograd.grad(loss.sum(), list(model.parameters()), retain_graph=True)
+        with pytest.warns(RuntimeWarning, match="already back-propagated by a backward outside the probe"):
+            s.backward_tokens(loss, ids)
+    probe.close()
+    assert s.result.method == "split-fallback:unmatched-rows"
+    assert rel_err(s.result.gram, expected) < 1e-9
