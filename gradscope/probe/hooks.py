@@ -93,9 +93,9 @@ from gradscope.probe.store import FlatStore, Store, squared_norms
 GHOST_FACTOR = 1.0
 #: Per-row products G_bᵀ A_b (rows × d_out × d_in values) up to this size; beyond, one matmul per agent.
 PER_ROW_LIMIT = 1 << 24
-#: A Gram computed in fp32 whose largest diagonal entry (squared gradient norm) is below this is computed
-#: again in float64: fp32 squares of gradient entries below ~1e-19 underflow (the relative error of n summed
-#: squares is at most n · 1.2e-38 / 1e-20 = 1.2e-18 · n, negligible above it).
+#: A weight's fp32 Gram in which an agent with a gradient has a squared norm below this (or which is all
+#: zeros) is computed again in float64: fp32 squares of gradient entries below ~1e-19 underflow (the relative
+#: error of n summed squares is at most n · 1.2e-38 / 1e-20 = 1.2e-18 · n, negligible above it).
 PRECISE_BELOW = 1e-20
 _NO_CONTEXT = nullcontext()
 
@@ -798,8 +798,8 @@ class HooksMethod(GramMethod):
 
     def _local_grams(self, per_param: dict[int, np.ndarray] | None = None) -> np.ndarray:
         """(G, K, K) float64: ``D Dᵀ`` per dense weight and the ghost / touched-rows Grams, in the accumulation
-        dtype; a weight's Gram whose largest diagonal entry is below :data:`PRECISE_BELOW` is computed again
-        in float64 (squares of fp32 values below ~1e-19 underflow to zero)."""
+        dtype; a weight's Gram with an agent's squared norm below :data:`PRECISE_BELOW` is computed again in
+        float64 (squares of fp32 values below ~1e-19 underflow to zero)."""
         pending: list[tuple[int, torch.Tensor, Callable[[], torch.Tensor]]] = []  # (param, Gram, in float64)
         for layer in self.layers:
             if not layer.rows:
@@ -820,9 +820,14 @@ class HooksMethod(GramMethod):
         for device, js in on.items():  # a few ops (and one sync) per device, not per weight
             stacked = torch.stack([pending[j][1] for j in js]).double()                    # (n, K, K)
             if self.dtype != torch.float64:
-                low = stacked.diagonal(dim1=1, dim2=2).amax(1) < PRECISE_BELOW
+                # an agent's squared norm below PRECISE_BELOW with a non-zero row (it has a gradient), or an
+                # all-zero Gram (every agent's squares may have underflowed): computed again in float64
+                low = ((stacked.diagonal(dim1=1, dim2=2) < PRECISE_BELOW) & (stacked != 0).any(2)).any(1)
+                low |= ~(stacked != 0).flatten(1).any(1)
                 for r in low.nonzero().flatten().tolist():
-                    stacked[r] = pending[js[r]][2]()
+                    precise = pending[js[r]][2]()
+                    if precise is not None:
+                        stacked[r] = precise
             index = torch.tensor([self.group_index[pending[j][0]] for j in js], device=device)
             grams += torch.zeros_like(grams, device=device).index_add_(0, index, stacked).cpu()
             if per_param is not None:
@@ -859,7 +864,7 @@ class HooksMethod(GramMethod):
 
     def _reset(self) -> None:
         self._dense, self._grad0, self._magnitude = {}, [], {}
-        self._in_call = False
+        self._in_call, self._aux = False, False
         self._unowned_grad = None
         self._check, self._checkable, self._unverified = None, True, []
         for layer in self.layers:
@@ -971,9 +976,13 @@ def _differs(a: np.ndarray, b: np.ndarray, tol: float, eps: float, magnitude: np
     return (np.abs(a - b) > allowed + np.finfo(np.float64).tiny).any(axis=(1, 2))
 
 
-def _in_float64(gram_of: Callable[..., torch.Tensor], rows: list[torch.Tensor], K: int) -> Callable[[], torch.Tensor]:
-    """``gram_of(*rows, K)`` with its float rows in float64, computed when called (rarely: PRECISE_BELOW)."""
-    def compute() -> torch.Tensor:
+def _in_float64(gram_of: Callable[..., torch.Tensor], rows: list[torch.Tensor],
+                K: int) -> Callable[[], torch.Tensor | None]:
+    """``gram_of(*rows, K)`` with its float rows in float64, computed when called (rarely: PRECISE_BELOW);
+    None when a float row is all zeros (the Gram is then exactly zero: no float64 copy)."""
+    def compute() -> torch.Tensor | None:
+        if not all(bool(r.any()) for r in rows if r.is_floating_point()):
+            return None
         return gram_of(*[r.double() if r.is_floating_point() else r for r in rows], K)
     return compute
 

@@ -193,10 +193,13 @@ class SketchStore(Store):
     def _project_matrices(self, i: int, values: torch.Tensor) -> torch.Tensor:
         """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each matrix's rows CountSketched
         (``C_r X``, k × cols), then its columns (``Z = C_r X C_cᵀ``, k × k), then Z's entries summed by
-        (row bucket + column bucket) mod k (:func:`_wrap_diagonals`): additions of whole rows, no index per value."""
+        (row bucket + column bucket) mod k (:func:`_wrap_diagonals`): additions of whole rows, no index per value.
+        O(rows·cols + k·cols + k²): for k above the row count, :meth:`_project_matrices_rolled` (O(rows·(cols + k)))."""
         rows, cols = _matrix_shape(self.params[i])
-        h_rows, h_cols = self._axis_hashes(i)  # signed buckets in [0, 2k): the bucket, and the sign by the half
         k = self.k
+        if k > rows:
+            return self._project_matrices_rolled(i, values)
+        h_rows, h_cols = self._axis_hashes(i)  # signed buckets in [0, 2k): the bucket, and the sign by the half
         out = torch.empty(values.shape[0], k, dtype=torch.float64, device=self.device)
         for a, X in enumerate(values.reshape(-1, rows, cols)):
             R = torch.zeros(2 * k, cols, dtype=self.dtype, device=self.device)
@@ -205,6 +208,18 @@ class SketchStore(Store):
             C = R.new_zeros(2 * k, k).index_add_(0, h_cols, R)
             out[a] = _wrap_diagonals(C[:k] - C[k:])
         return out
+
+    def _project_matrices_rolled(self, i: int, values: torch.Tensor) -> torch.Tensor:
+        """As :meth:`_project_matrices`, by each row's CountSketch over the columns, rolled by the row's bucket
+        and signed (``TS(X) = Σ_i s_r(i) roll(C_c x_i, h_r(i))``): one index per row and bucket."""
+        rows, cols = _matrix_shape(self.params[i])
+        k, a = self.k, values.shape[0]
+        Y = self._count_sketch(values.reshape(a * rows, cols), i, 1)            # (a·rows, k)
+        bucket, sign = self._buckets(i, 0)
+        Y = Y * sign.repeat(a)[:, None]
+        shifted = bucket.repeat(a)[:, None] + torch.arange(k, device=self.device)
+        index = shifted % k + (torch.arange(a, device=self.device) * k).repeat_interleave(rows)[:, None]
+        return torch.bincount(index.reshape(-1), Y.reshape(-1), minlength=a * k).view(a, k).double()
 
     def add(self, i: int, agents: Sequence[int], values: torch.Tensor, start: int = 0) -> None:
         self.state[self.cell_index[i], list(agents)] += self._project(i, values, start)

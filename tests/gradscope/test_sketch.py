@@ -368,3 +368,16 @@ def test_full_width_weights_hooks_tensorsketch_equals_split():
         results[method] = s.result
     assert results["hooks"].method == "hooks+check"
     assert rel_err(results["hooks"].gram, results["split"].gram) < 1e-5
+
+
+@pytest.mark.parametrize("rows, cols, k", [(37, 29, 5), (64, 33, 6), (16, 64, 32), (30, 31, 64)])
+def test_whole_matrix_sketch_equals_hashing_each_coordinate(monkeypatch, rows, cols, k):
+    """The sketch of whole tensor-hashed matrices — by row and column CountSketch and a wrapped-diagonal sum
+    (k ≤ rows), or by rolled row sketches (k > rows) — is the per-coordinate hash's (both ways computed)."""
+    store = _tensor_store(monkeypatch, [(rows, cols)], k, 7, n_agents=2)
+    X = torch.randn(2, rows * cols, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    signed = store._signed_index(0, torch.arange(rows * cols))
+    sign = torch.where(signed >= k, -1.0, 1.0).double()
+    expected = torch.stack([torch.zeros(k, dtype=torch.float64).index_add_(0, signed % k, x * sign) for x in X])
+    torch.testing.assert_close(store._project_matrices(0, X), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(store._project_matrices_rolled(0, X), expected, rtol=1e-12, atol=1e-12)
