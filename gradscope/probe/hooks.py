@@ -678,7 +678,7 @@ class HooksMethod(GramMethod):
             todo += [(k, loss.sum() * 0) for k in range(self.n_agents) if k not in have]
         edges = [piece.edge for piece, _ in calls]
         for j, (k, term) in enumerate(todo):
-            self._own = True
+            self._own = True  # (this backward goes through the hooked calls too: not the user's)
             try:
                 grads = torch.autograd.grad(term, edges, retain_graph=retain_graph or j < len(todo) - 1,
                                             allow_unused=True)
@@ -800,7 +800,7 @@ class HooksMethod(GramMethod):
         """(G, K, K) float64: ``D Dᵀ`` per dense weight and the ghost / touched-rows Grams, in the accumulation
         dtype; a weight's Gram with an agent's squared norm below :data:`PRECISE_BELOW` is computed again in
         float64 (squares of fp32 values below ~1e-19 underflow to zero)."""
-        pending: list[tuple[int, torch.Tensor, Callable[[], torch.Tensor]]] = []  # (param, Gram, in float64)
+        pending: list[tuple[int, Callable[..., torch.Tensor], list[torch.Tensor]]] = []  # (param, Gram of, rows)
         for layer in self.layers:
             if not layer.rows:
                 continue
@@ -808,24 +808,22 @@ class HooksMethod(GramMethod):
                 self._materialise(layer)
                 continue
             rows = [torch.cat(parts) for parts in zip(*layer.rows)]
-            gram_of = _touched_rows_gram if layer.embedding else _ghost_gram
-            pending.append((layer.weight, gram_of(*rows, self.n_agents), _in_float64(gram_of, rows, self.n_agents)))
-        for i, D in self._dense.items():
-            flat = D.reshape(self.n_agents, -1)
-            pending.append((i, flat @ flat.T, _in_float64(_flat_gram, [flat], self.n_agents)))
+            pending.append((layer.weight, _touched_rows_gram if layer.embedding else _ghost_gram, rows))
+        pending += [(i, _flat_gram, [D.reshape(self.n_agents, -1)]) for i, D in self._dense.items()]
+        computed = [gram_of(*rows, self.n_agents) for _, gram_of, rows in pending]  # (K, K) each
         grams = torch.zeros(self.n_groups, self.n_agents, self.n_agents, dtype=torch.float64)
         on: dict[torch.device, list[int]] = {}
-        for j, (_, gram, _) in enumerate(pending):
+        for j, gram in enumerate(computed):
             on.setdefault(gram.device, []).append(j)
         for device, js in on.items():  # a few ops (and one sync) per device, not per weight
-            stacked = torch.stack([pending[j][1] for j in js]).double()                    # (n, K, K)
+            stacked = torch.stack([computed[j] for j in js]).double()                     # (n, K, K)
             if self.dtype != torch.float64:
                 # an agent's squared norm below PRECISE_BELOW with a non-zero row (it has a gradient), or an
                 # all-zero Gram (every agent's squares may have underflowed): computed again in float64
                 low = ((stacked.diagonal(dim1=1, dim2=2) < PRECISE_BELOW) & (stacked != 0).any(2)).any(1)
                 low |= ~(stacked != 0).flatten(1).any(1)
                 for r in low.nonzero().flatten().tolist():
-                    precise = pending[js[r]][2]()
+                    precise = _in_float64(*pending[js[r]][1:], self.n_agents)
                     if precise is not None:
                         stacked[r] = precise
             index = torch.tensor([self.group_index[pending[j][0]] for j in js], device=device)
@@ -976,15 +974,12 @@ def _differs(a: np.ndarray, b: np.ndarray, tol: float, eps: float, magnitude: np
     return (np.abs(a - b) > allowed + np.finfo(np.float64).tiny).any(axis=(1, 2))
 
 
-def _in_float64(gram_of: Callable[..., torch.Tensor], rows: list[torch.Tensor],
-                K: int) -> Callable[[], torch.Tensor | None]:
-    """``gram_of(*rows, K)`` with its float rows in float64, computed when called (rarely: PRECISE_BELOW);
-    None when a float row is all zeros (the Gram is then exactly zero: no float64 copy)."""
-    def compute() -> torch.Tensor | None:
-        if not all(bool(r.any()) for r in rows if r.is_floating_point()):
-            return None
-        return gram_of(*[r.double() if r.is_floating_point() else r for r in rows], K)
-    return compute
+def _in_float64(gram_of: Callable[..., torch.Tensor], rows: list[torch.Tensor], K: int) -> torch.Tensor | None:
+    """``gram_of(*rows, K)`` with its float rows in float64 (rarely: PRECISE_BELOW); None when a float row is
+    all zeros (the Gram is then exactly zero: no float64 copy)."""
+    if not all(bool(r.any()) for r in rows if r.is_floating_point()):
+        return None
+    return gram_of(*[r.double() if r.is_floating_point() else r for r in rows], K)
 
 
 def _flat_gram(flat: torch.Tensor, K: int) -> torch.Tensor:
