@@ -194,7 +194,8 @@ class SketchStore(Store):
         """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each matrix's rows CountSketched
         (``C_r X``, k × cols), then its columns (``Z = C_r X C_cᵀ``, k × k), then Z's entries summed by
         (row bucket + column bucket) mod k (:func:`_wrap_diagonals`): additions of whole rows, no index per value.
-        O(rows·cols + k·cols + k²): for k above the row count, :meth:`_project_matrices_rolled` (O(rows·(cols + k)))."""
+        O(rows·cols + k·cols + k²): for k above the row count, :meth:`_project_matrices_rolled`
+        (O(rows·(cols + k)))."""
         rows, cols = _matrix_shape(self.params[i])
         k = self.k
         if k > rows:
