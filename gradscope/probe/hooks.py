@@ -366,8 +366,7 @@ class HooksMethod(GramMethod):
             # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
             A, G = as_dtype(A, self.dtype), as_dtype(G, self.dtype)
             if self.store is not None:
-                self._linear_magnitudes(layer, x, grad)
-                self._linear_to_store(layer, forward, A, G)
+                self._linear_magnitudes(layer, x, grad, self._linear_to_store(layer, forward, A, G))
                 return None
             dW, db, sizes = self._linear(layer, forward, A, G)
             if self._check is not None or dW is None or not fused:
@@ -381,11 +380,14 @@ class HooksMethod(GramMethod):
                         self._add_magnitude(i, size)
             return dW, db
 
-    def _linear_magnitudes(self, layer: _Layer, x: torch.Tensor, grad: torch.Tensor) -> None:
-        """The magnitudes of a Linear call's token terms (``‖G‖_F ‖A‖_F``; bias ``√N ‖G‖_F``)."""
-        g_norm = _norm(grad)
+    def _linear_magnitudes(self, layer: _Layer, x: torch.Tensor, grad: torch.Tensor,
+                           norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The magnitudes of a Linear call's token terms (``‖G‖_F ‖A‖_F``; bias ``√N ‖G‖_F``); ``norms``: ``‖G‖_F``
+        and ``‖A‖_F`` over the rows with an agent where the store computed them (the other rows' G is zero, or
+        the step raises)."""
+        g_norm, a_norm = norms if norms is not None else (_norm(grad), None)
         if layer.weight is not None:
-            self._add_magnitude(layer.weight, g_norm * self._norm_of(x))
+            self._add_magnitude(layer.weight, g_norm * (self._norm_of(x) if a_norm is None else a_norm))
         if layer.bias is not None:
             self._add_magnitude(layer.bias, g_norm * (grad[..., 0].numel()) ** 0.5)  # Σ_t ‖G_t‖ ≤ √N ‖G‖
 
@@ -450,23 +452,23 @@ class HooksMethod(GramMethod):
         return dW, db, (dW_size, db_size)
 
     def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
-                         store: Store | None = None) -> None:
+                         store: Store | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Hand ``store`` (default: the method's) one call's per-agent contributions (A: (rows, T, d_in),
-        G: (rows, T, d_out))."""
+        G: (rows, T, d_out)); ``(‖G‖_F, ‖A‖_F)`` of the rows with an agent where the store took them on the way."""
         store = self.store if store is None else store
         agents = list(fwd.by_agent)
         if not agents:
-            return
+            return None
         if layer.bias is not None:
             store.add(layer.bias, agents, self._sum_by_agent(G.sum(1), fwd)[agents])
         if layer.weight is None:
-            return
+            return None
         d_out, d_in = self.params[layer.weight].shape
         if _per_row(fwd.rows, A.shape[1], d_out, d_in) and store.small(layer.weight):
             store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
-            return
+            return None
         token_agents = fwd.kept.repeat_interleave(A.shape[1])
-        store.add_outer(layer.weight, token_agents, fwd.owned(G).flatten(0, 1), fwd.owned(A).flatten(0, 1))
+        return store.add_outer(layer.weight, token_agents, fwd.owned(G).flatten(0, 1), fwd.owned(A).flatten(0, 1))
 
     def _sum_by_agent(self, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor:
         """(K, m): row b of ``per_row`` (rows, ...) flattened and added to its agent's row."""

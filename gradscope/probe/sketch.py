@@ -37,6 +37,10 @@ from gradscope.probe.store import CHUNK, Store
 
 #: The Mersenne prime 2^31 - 1: hashed coordinates must be below it, products of two residues fit int64.
 PRIME = (1 << 31) - 1
+#: The signed buckets of vectors with at most this many values (biases, norms' scales) are kept, not rehashed.
+KEEP_BELOW = 1 << 13
+#: The add-up check compares sketches at this many of their Fourier frequencies (:meth:`SketchStore.sums`).
+CHECK_FREQUENCIES = 8
 #: TensorSketch transforms this many values (tokens × k) at a time: small enough to stay in cache.
 FFT_VALUES = 1 << 16
 
@@ -91,6 +95,16 @@ def signed_buckets(coeffs: tuple[int, int, int, int], coords: torch.Tensor, k: i
     return poly_hash(coeffs, coords).remainder_(2 * k)
 
 
+def bucket_positions(seed: int, name: str, n: int, k: int) -> np.ndarray:
+    """(n,) int64: a uniformly random injection of ``[0, n)`` into ``[0, ⌈n/k⌉ k)``, drawn from (seed, name);
+    coordinate j's bucket is ``position[j] mod k``. Buckets hold ⌈n/k⌉ slots each, so two coordinates
+    share one with probability ``(⌈n/k⌉ - 1) / (⌈n/k⌉ k - 1) < 1/k``, and a CountSketch is ⌈n/k⌉ gathers
+    of k coordinates. NumPy's ``RandomState`` stream is frozen, so every rank and version draws alike."""
+    digest = hashlib.blake2b(f"gradscope-buckets\0{seed}\0{name}".encode(), digest_size=16).digest()
+    rng = np.random.RandomState(np.frombuffer(digest, dtype=np.uint32))
+    return rng.permutation(-(-n // k) * k)[:n].astype(np.int64)
+
+
 class SketchStore(Store):
     """A (C, K, k) float64 sketch of every agent's gradient, per cell (parameter group × LoRA adapter).
 
@@ -120,8 +134,9 @@ class SketchStore(Store):
         self.names, self.sketch, self.k = list(names), sketch, sketch.k
         self.coeffs = [hash_coefficients(sketch.seed, n) for n in names]
         self.tensor = [_tensor_hashed(p, self.k) for p in self.params]
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict = {}  # i → a small vector's signed buckets; (i, axis) → a matrix axis' (see _axis)
         self._split: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (i, axis) → bucket, sign
+        self._forms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # i → the add-up check's r_f, [Re c_f, Im c_f]
         cells = [(g, adapter_of(n) or "") for g, n in zip(self.group_index, names)]
         self.cells = list(dict.fromkeys(cells))          # (group, adapter) per cell
         self.cell_index = [self.cells.index(c) for c in cells]
@@ -143,13 +158,26 @@ class SketchStore(Store):
 
     def _axis_hashes(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tensor-hashed ``params[i]``: signed buckets (in ``[0, 2k)``) of its rows and of its columns."""
-        if i not in self._tables:
-            rows, cols = _matrix_shape(self.params[i])
-            self._tables[i] = tuple(  # type: ignore[assignment]
-                signed_buckets(hash_coefficients(self.sketch.seed, f"{self.names[i]}\0{axis}"),
-                               torch.arange(n, device=self.device), self.k)
-                for axis, n in (("rows", rows), ("cols", cols)))
-        return self._tables[i]
+        return self._axis(i, 0)[0], self._axis(i, 1)[0]
+
+    def _axis(self, i: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows (``axis`` 0) or columns (1) of tensor-hashed ``params[i]``: their signed buckets (n,) in
+        ``[0, 2k)``, and the same map as a gather: ``index`` (m, k) and ``sign`` (m, k) with
+        ``(C x)_b = Σ_q sign[q, b] x[index[q, b]]`` (slots no coordinate fills: index 0, sign 0)."""
+        if (i, axis) not in self._tables:
+            n, k = _matrix_shape(self.params[i])[axis], self.k
+            name = f"{self.names[i]}\0{('rows', 'cols')[axis]}"
+            position = torch.from_numpy(bucket_positions(self.sketch.seed, name, n, k)).to(self.device)
+            negative = signed_buckets(hash_coefficients(self.sketch.seed, name),
+                                      torch.arange(n, device=self.device), k) >= k
+            signed = position % k + k * negative
+            m = -(-n // k)
+            index = torch.zeros(m * k, dtype=torch.long, device=self.device)
+            index[position] = torch.arange(n, device=self.device)
+            sign = torch.zeros(m * k, dtype=self.dtype, device=self.device)
+            sign[position] = 1 - 2 * negative.to(self.dtype)
+            self._tables[i, axis] = (signed, index.view(m, k), sign.view(m, k))
+        return self._tables[i, axis]
 
     def _signed_index(self, i: int, coords: torch.Tensor) -> torch.Tensor:
         """Signed bucket in ``[0, 2k)`` of flattened coordinates ``coords`` (int64) of ``params[i]``."""
@@ -169,7 +197,12 @@ class SketchStore(Store):
         """Signed buckets of the coordinates ``[start, start + m)``: for a tensor-hashed matrix, built from
         the rows they span (broadcast) instead of per-coordinate division."""
         if not self.tensor[i]:
-            return signed_buckets(self.coeffs[i], torch.arange(start, start + m, device=self.device), self.k)
+            if self.params[i].numel() > KEEP_BELOW:
+                return signed_buckets(self.coeffs[i], torch.arange(start, start + m, device=self.device), self.k)
+            if i not in self._tables:
+                self._tables[i] = signed_buckets(self.coeffs[i], torch.arange(self.params[i].numel(),
+                                                                              device=self.device), self.k)
+            return self._tables[i][start:start + m]
         cols = _matrix_shape(self.params[i])[1]
         h_rows, h_cols = self._axis_hashes(i)
         r0, r1 = start // cols, -(-(start + m) // cols)
@@ -192,22 +225,21 @@ class SketchStore(Store):
 
     def _project_matrices(self, i: int, values: torch.Tensor) -> torch.Tensor:
         """(a, k) sketches of ``a`` whole tensor-hashed matrices (a, rows·cols): each matrix's rows CountSketched
-        (``C_r X``, k × cols), then its columns (``Z = C_r X C_cᵀ``, k × k), then Z's entries summed by
-        (row bucket + column bucket) mod k (:func:`_wrap_diagonals`): additions of whole rows, no index per value.
+        (``C_r X``, k × cols, by gathers of whole rows), then its columns (``Z = C_r X C_cᵀ``, k × k), then Z's
+        entries summed by (row bucket + column bucket) mod k (:func:`_wrap_diagonals`): no index per value.
         O(rows·cols + k·cols + k²): for k above the row count, :meth:`_project_matrices_rolled`
         (O(rows·(cols + k)))."""
         rows, cols = _matrix_shape(self.params[i])
         k = self.k
         if k > rows:
             return self._project_matrices_rolled(i, values)
-        h_rows, h_cols = self._axis_hashes(i)  # signed buckets in [0, 2k): the bucket, and the sign by the half
+        _, index, sign = self._axis(i, 0)
         out = torch.empty(values.shape[0], k, dtype=torch.float64, device=self.device)
-        for a, X in enumerate(values.reshape(-1, rows, cols)):
-            R = torch.zeros(2 * k, cols, dtype=self.dtype, device=self.device)
-            R.index_add_(0, h_rows, X.to(self.device, self.dtype))
-            R = (R[:k] - R[k:]).T.contiguous()                                 # (cols, k): (C_r X)ᵀ
-            C = R.new_zeros(2 * k, k).index_add_(0, h_cols, R)
-            out[a] = _wrap_diagonals(C[:k] - C[k:])
+        for a, X in enumerate(values.reshape(-1, rows, cols).to(self.device, self.dtype)):
+            R = X.index_select(0, index[0]).mul_(sign[0, :, None])                 # (k, cols): C_r X
+            for q in range(1, len(index)):
+                R.addcmul_(X.index_select(0, index[q]), sign[q, :, None])
+            out[a] = _wrap_diagonals(self._count_sketch(R, i, 1))                 # C_r X C_cᵀ, (k, k)
         return out
 
     def _project_matrices_rolled(self, i: int, values: torch.Tensor) -> torch.Tensor:
@@ -231,26 +263,33 @@ class SketchStore(Store):
         signed.index_add_(0, index, values.to(self.device, self.dtype))
         self.state[self.cell_index[i]] += self._fold(signed.view(self.n_agents, 2 * self.k))
 
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
-        """TensorSketch: agent k's sketch of ``Σ_{t of k} G_t A_tᵀ`` is ``IFFT(Σ_t FFT(C_r G_t) · FFT(C_c A_t))``,
-        O(N (d_out + d_in + k log k)); no outer product is formed. Tokens go a chunk at a time."""
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor,
+                  A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """TensorSketch: agent k's sketch of ``Σ_{t of k} G_t A_tᵀ`` is ``IFFT(Σ_t FFT(C_r G_t) · FFT(C_c A_t))``
+        (agents: (N,) indices in ``[0, K)``),
+        O(N (d_out + d_in + k log k)); no outer product is formed. Tokens go a chunk at a time; returns
+        ``(‖G‖_F, ‖A‖_F)`` (float64 scalars), taken from each chunk while it is in cache."""
         if not self.tensor[i]:  # a small matrix: its per-agent products, hashed coordinate by coordinate
             present = agents.unique().tolist()
             self.add(i, present, torch.stack([G[agents == k].T.to(self.dtype) @ A[agents == k].to(self.dtype)
                                               for k in present]).flatten(1))
-            return
-        present, owner = agents.to(self.device).unique(return_inverse=True)
+            return None
+        agents = agents.to(self.device)
         bins = self.k // 2 + 1
-        spectrum = torch.zeros(len(present), bins * 2, dtype=self.dtype, device=self.device)  # (re, im) pairs
+        spectrum = torch.zeros(self.n_agents, bins * 2, dtype=self.dtype, device=self.device)  # (re, im) pairs
+        squares = torch.zeros(2, dtype=torch.float64, device=self.device)
         step = max(1, FFT_VALUES // self.k)
         for lo in range(0, len(agents), step):
-            u = self._count_sketch(G[lo:lo + step], i, 0)       # (n, k)
-            v = self._count_sketch(A[lo:lo + step], i, 1)
+            g, a = (X[lo:lo + step].to(self.device, self.dtype) for X in (G, A))
+            u, v = self._count_sketch(g, i, 0), self._count_sketch(a, i, 1)    # (n, k)
+            squares += torch.stack([torch.linalg.vector_norm(g), torch.linalg.vector_norm(a)]).double().square()
             product = torch.fft.rfft(u, dim=1) * torch.fft.rfft(v, dim=1)   # (n, k/2+1) complex
             # summed by agent as real pairs: index_add of contiguous real rows is ~5x faster than of complex ones
-            spectrum.index_add_(0, owner[lo:lo + step], torch.view_as_real(product).reshape(len(product), -1))
-        spectrum = torch.view_as_complex(spectrum.double().view(len(present), bins, 2))
-        self.state[self.cell_index[i], present] += torch.fft.irfft(spectrum, n=self.k, dim=1)
+            spectrum.index_add_(0, agents[lo:lo + step], torch.view_as_real(product).reshape(len(product), -1))
+        spectrum = torch.view_as_complex(spectrum.double().view(self.n_agents, bins, 2))
+        self.state[self.cell_index[i]] += torch.fft.irfft(spectrum, n=self.k, dim=1)
+        g_norm, a_norm = squares.sqrt()
+        return g_norm, a_norm
 
     def _buckets(self, i: int, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Bucket (in ``[0, k)``) and sign (±1) of each row (``axis`` 0) or column (1) of tensor-hashed ``params[i]``."""
@@ -261,23 +300,70 @@ class SketchStore(Store):
 
     def _count_sketch(self, X: torch.Tensor, i: int, axis: int) -> torch.Tensor:
         """(n, k): the CountSketch of each row of X (n, d) under the signed buckets of ``params[i]``'s rows
-        (``axis`` 0) or columns (1)."""
-        bucket, sign = self._buckets(i, axis)
-        X = X.to(self.device, self.dtype) * sign
-        return X.new_zeros(X.shape[0], self.k).scatter_add_(1, bucket.expand_as(X), X)
+        (``axis`` 0) or columns (1): ⌈d/k⌉ column gathers, each signed and added (a scatter-add over
+        the columns was ~1.7× slower on a CPU)."""
+        _, index, sign = self._axis(i, axis)
+        X = X.to(self.device, self.dtype)
+        out = X.index_select(1, index[0]).mul_(sign[0])
+        for q in range(1, len(index)):
+            out.addcmul_(X.index_select(1, index[q]), sign[q])
+        return out
 
     def blocks(self, g: int) -> Iterator[torch.Tensor]:
         for c, (group, _) in enumerate(self.cells):
             if group == g:
                 yield self.state[c]
 
+    # ------------------------------------------------------------------ the add-up check's statistics
+    # The check compares the sum of the agents' sketches with the sketch of Δ.grad at the first F
+    # Fourier frequencies of the sketch (F = min(CHECK_FREQUENCIES, k/2 + 1)): a sketch of the sketch,
+    # the same linear map on both sides. Coefficient f of a tensor-hashed matrix's sketch is the rank-one
+    # form r_fᵀ Δ c_f (r_f(i) = s_r(i) ω^{f h_r(i)}, c_f likewise, ω = e^{-2πi/k}), one pass over Δ by a
+    # (cols × 2F) product instead of its whole sketch (three passes and a gather).
+
+    def sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(‖Σ_k P x_k‖², ‖P x_k‖²)`` per group, (G,) and (G, K): ``x_k`` agent k's sketch, ``P`` its first F Fourier
+        coefficients over √F (so ``E‖P x‖² = E‖x‖² = ‖g‖²``); what the add-up check compares with :meth:`norms_sq`."""
+        total, diag = np.zeros(self.n_groups), np.zeros((self.n_groups, self.n_agents))
+        for c, (g, _) in enumerate(self.cells):
+            X = self._spectrum(self.state[c])                                          # (K, F)
+            diag[g] += X.abs().square().sum(1).cpu().numpy()
+            total[g] += float(X.sum(0).abs().square().sum())
+        return total, diag
+
     def norms_sq(self, grads: Iterable[tuple[int, torch.Tensor]]) -> np.ndarray:
-        images = torch.zeros(len(self.cells), self.k, dtype=torch.float64, device=self.device)
+        """(G,) ``‖P S v‖²`` for the vector v of the ``(i, gradient of params[i])`` pairs (see :meth:`sums`)."""
+        images = torch.zeros(len(self.cells), self._bins, dtype=torch.complex128, device=self.device)
         for i, grad in grads:
-            images[self.cell_index[i]] += self._project(i, grad.reshape(1, -1), 0)[0]
+            images[self.cell_index[i]] += (self._matrix_spectrum(i, grad) if self.tensor[i]
+                                           else self._spectrum(self._project(i, grad.reshape(1, -1), 0)[0]))
         out = np.zeros(self.n_groups)
-        np.add.at(out, [g for g, _ in self.cells], images.square().sum(1).cpu().numpy())
+        np.add.at(out, [g for g, _ in self.cells], images.abs().square().sum(1).cpu().numpy())
         return out
+
+    @property
+    def _bins(self) -> int:
+        return min(CHECK_FREQUENCIES, self.k // 2 + 1)
+
+    def _spectrum(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., F) complex128: ``P x`` of sketches x (..., k)."""
+        return torch.fft.rfft(x.double(), dim=-1)[..., :self._bins] / self._bins ** 0.5
+
+    def _matrix_spectrum(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """(F,) complex128: ``P S grad`` of tensor-hashed ``params[i]``, as ``r_fᵀ grad c_f`` per frequency."""
+        if i not in self._forms:
+            f = torch.arange(self._bins, dtype=torch.float64, device=self.device)
+            forms = []
+            for axis in (0, 1):
+                signed = self._axis(i, axis)[0]
+                phase = torch.polar(torch.ones(1, dtype=torch.float64, device=self.device),
+                                    -2 * torch.pi / self.k * (signed % self.k)[:, None].double() * f)
+                forms.append(phase * torch.where(signed >= self.k, -1.0, 1.0).double()[:, None])   # (n, F)
+            r, c = forms
+            self._forms[i] = (r, torch.cat([c.real, c.imag], 1).to(self.dtype))
+        r, c = self._forms[i]
+        Y = (grad.reshape(_matrix_shape(self.params[i])).to(self.device, self.dtype) @ c).double()  # (rows, 2F)
+        return (r * torch.complex(Y[:, :self._bins], Y[:, self._bins:])).sum(0) / self._bins ** 0.5
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.state]

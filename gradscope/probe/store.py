@@ -99,9 +99,11 @@ class Store(ABC):
         return self.n_agents * self.params[i].numel() <= CHUNK
 
     @abstractmethod
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor,
+                  A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Add the per-token outer products ``G_t A_tᵀ`` to agent ``agents[t]``'s gradient of the matrix
-        ``params[i]`` (d_out, d_in); agents (N,), G (N, d_out), A (N, d_in)."""
+        ``params[i]`` (d_out, d_in); agents (N,), G (N, d_out), A (N, d_in). Returns ``(‖G‖_F, ‖A‖_F)``
+        where it computed them on the way (else None)."""
 
     @abstractmethod
     def local_copy(self) -> "Store":
@@ -187,7 +189,7 @@ class FlatStore(Store):
             yield self.buffer[:, start:min(start + CHUNK, sl.stop)]
 
     def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
-        """Per agent ``G_kᵀ A_k``, a block of output rows at a time (no (K, d_out, d_in) temporary)."""
+        """Per agent ``G_kᵀ A_k``, a block of output rows at a time (no (K, d_out, d_in) temporary); returns None."""
         d_in = A.shape[1]
         present = agents.unique().tolist()
         rows = [agents == k for k in present]

@@ -253,15 +253,19 @@ class TeeStore(Store):
     def small(self, i: int) -> bool:
         return self.first.small(i)
 
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
-        self.first.add_outer(i, agents, G, A)
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor,
+                  A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         self.second.add_outer(i, agents, G, A)
+        return self.first.add_outer(i, agents, G, A)
 
     def local_copy(self) -> "TeeStore":
         return TeeStore(self.first.local_copy(), self.second.local_copy())
 
     def blocks(self, g: int) -> Iterator[torch.Tensor]:
         return self.first.blocks(g)
+
+    def sums(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.first.sums()
 
     def norms_sq(self, grads: Iterable[tuple[int, torch.Tensor]]) -> np.ndarray:
         return self.first.norms_sq(grads)
