@@ -304,7 +304,10 @@ class HooksMethod(GramMethod):
         piece = _Piece(layer, forward, args[0].detach(), edge=edge)
         forward.pieces.append(piece)
         if fused.is_hooked(output):
-            output.grad_fn.on_grad = partial(self._on_grad, piece)
+            if self.store is None:
+                output.grad_fn.on_grad = partial(self._on_grad, piece)
+            else:  # it forms no products: after autograd's weight gradient, with G and x in cache
+                output.grad_fn.after_grad = partial(self._on_grad, piece)
         else:
             output.register_hook(partial(self._on_grad_hook, piece))
 

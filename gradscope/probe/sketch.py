@@ -15,7 +15,8 @@ the pair (h(j), s(j)) is 4-wise independent across coordinates, up to a relative
 * linear: the sketch of a sum is the sum of sketches, so gradient accumulation and ranks add up
   (every rank hashes alike: the hash depends only on the seed, the parameter's name and j);
 * O(P) time per sketched vector, k values per agent and group in memory; nothing O(P) is kept
-  (the hash is recomputed from the seed whenever a gradient is sketched).
+  (the hash is recomputed from the seed whenever a gradient is sketched; a tensor-hashed matrix keeps
+  its rows' and columns' buckets, vectors of at most :data:`KEEP_BELOW` values theirs).
 
 See docs/probe.md ("Sketch mode") for the derived bounds on norms and cosines.
 """
@@ -114,10 +115,11 @@ class SketchStore(Store):
       :func:`_tensor_hashed`): CountSketch of the flattened coordinates, ``(h, s)`` 4-wise independent;
     * larger matrices (d_out, d_in) (full-width weights; >2-D ones as (shape[0], rest)): the
       tensor-structured hash ``h(i, j) = (h_r(i) + h_c(j)) mod k``, ``s(i, j) = s_r(i) s_c(j)`` with
-      independent row and column hashes. The sketch of an outer product ``g aᵀ`` is then the circular
+      independent row and column hashes (signs 4-wise independent, buckets from
+      :func:`bucket_positions`). The sketch of an outer product ``g aᵀ`` is then the circular
       convolution of the CountSketches of ``g`` and ``a`` (TensorSketch), so per-token products are
       sketched by FFT without ever forming them (:meth:`add_outer`). Only the row and column hashes
-      (d_out + d_in values) are kept.
+      (as signed buckets and as gathers: about 2 (d_out + d_in) values) are kept.
 
     Args:
         names: the probed parameters' names (they key the hash, so they must match across ranks).
