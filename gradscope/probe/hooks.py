@@ -232,11 +232,12 @@ class HooksMethod(GramMethod):
             raise ProbeError(f"hooks cannot attribute parameters {uncovered}; use method='split'")
         self.strict, self.check_every, self.grad_reduced = strict or grad_reduced, check_every, grad_reduced
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        # the per-row products are the weight gradient: spare autograd computing it again (see fused.py); the
-        # installed forward reports each call itself. (Not over a forward someone already replaced on the
-        # instance: accelerate's device hooks do that; those layers, and the others, get a forward hook.)
+        # the per-row products are the weight gradient: spare autograd computing it again (see fused.py); with
+        # a store, the probe reads G and x right after autograd's weight gradient; the installed forward
+        # reports each call itself. (Not over a forward someone already replaced on the instance:
+        # accelerate's device hooks do that; those layers, and the others, get a forward hook.)
         self._installed = [fused.Installed(layer.module, partial(self._on_forward, layer)) for layer in self.layers
-                           if store is None and type(layer.module) is nn.Linear and "forward" not in vars(layer.module)]
+                           if type(layer.module) is nn.Linear and "forward" not in vars(layer.module)]
         installed = {id(i.module) for i in self._installed}
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward, layer))
@@ -386,8 +387,8 @@ class HooksMethod(GramMethod):
     def _linear_magnitudes(self, layer: _Layer, x: torch.Tensor, grad: torch.Tensor,
                            norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The magnitudes of a Linear call's token terms (``‖G‖_F ‖A‖_F``; bias ``√N ‖G‖_F``); ``norms``: ``‖G‖_F``
-        and ``‖A‖_F`` over the rows with an agent where the store computed them (the other rows' G is zero, or
-        the step raises)."""
+        and ``‖A‖_F`` over the rows with an agent where the store computed them (rows without one must get
+        no gradient: else the per-agent gradients miss it and the add-up check fails, naming the tags)."""
         g_norm, a_norm = norms if norms is not None else (_norm(grad), None)
         if layer.weight is not None:
             self._add_magnitude(layer.weight, g_norm * (self._norm_of(x) if a_norm is None else a_norm))
@@ -887,7 +888,8 @@ class HooksMethod(GramMethod):
 
     def _check_add_up(self, total: np.ndarray, diag: np.ndarray, delta_sq: np.ndarray, ghost: set[int]) -> list[int]:
         """The groups whose Gram does not add up to the gradient: ``Σ_kl M^g_kl`` (total, (G,)) must equal
-        ``‖Δ.grad_g‖²`` (delta_sq, through the store's map) to within :func:`add_up_tolerance`.
+        ``‖Δ.grad_g‖²`` (delta_sq) to within :func:`add_up_tolerance` — with a store, both as the store maps
+        them (:meth:`Store.sums`, :meth:`Store.norms_sq`; a sketch: ``‖P S ·‖²``).
 
         Catches a probed weight that is also used outside its module's forward (hooks cannot see that).
         """

@@ -110,7 +110,9 @@ class Store(ABC):
         """An empty store of the same kind over the same parameters, for this process only."""
 
     def sums(self) -> tuple[np.ndarray, np.ndarray]:
-        """Local ``(Σ_kl M^g_kl, M^g_kk)`` per group, (G,) and (G, K), without the Gram's K² cost."""
+        """Local ``(Σ_kl M^g_kl, M^g_kk)`` per group, (G,) and (G, K), without the Gram's K² cost: with
+        :meth:`norms_sq`, what the add-up check compares (a store may compare both through a smaller map,
+        as :class:`~gradscope.probe.sketch.SketchStore` does)."""
         total = np.zeros(self.n_groups)
         diag = np.zeros((self.n_groups, self.n_agents))
         for g in range(self.n_groups):

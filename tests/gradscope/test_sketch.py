@@ -366,6 +366,8 @@ def test_full_width_weights_hooks_tensorsketch_equals_split():
     for method in ("hooks", "split"):
         model.zero_grad(set_to_none=True)
         probe = Probe(model, AGENTS, ROLES, method=method, sketch=Sketch(64, seed=1))
+        if method == "hooks":  # the layers run HookedLinear, the probe reading each call after its backward
+            assert len(probe._method._installed) == 12
         with probe.step(0) as s:
             s.backward_tokens(model(x).square().mean(-1), agent_ids)
         probe.close()
