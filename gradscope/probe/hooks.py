@@ -463,16 +463,18 @@ class HooksMethod(GramMethod):
         agents = list(fwd.by_agent)
         if not agents:
             return None
-        if layer.bias is not None:
+        fold = layer.bias is not None and layer.weight is not None and store.folds_bias(layer.weight, layer.bias)
+        if layer.bias is not None and not fold:
             store.add(layer.bias, agents, self._sum_by_agent(G.sum(1), fwd)[agents])
         if layer.weight is None:
             return None
         d_out, d_in = self.params[layer.weight].shape
-        if _per_row(fwd.rows, A.shape[1], d_out, d_in) and store.small(layer.weight):
+        if not fold and _per_row(fwd.rows, A.shape[1], d_out, d_in) and store.small(layer.weight):
             store.add(layer.weight, agents, self._sum_by_agent(torch.bmm(G.transpose(1, 2), A), fwd)[agents])
             return None
         token_agents = fwd.kept.repeat_interleave(A.shape[1])
-        return store.add_outer(layer.weight, token_agents, fwd.owned(G).flatten(0, 1), fwd.owned(A).flatten(0, 1))
+        return store.add_outer(layer.weight, token_agents, fwd.owned(G).flatten(0, 1), fwd.owned(A).flatten(0, 1),
+                               bias=layer.bias if fold else None)
 
     def _sum_by_agent(self, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor:
         """(K, m): row b of ``per_row`` (rows, ...) flattened and added to its agent's row."""

@@ -148,6 +148,12 @@ class SketchStore(Store):
         cells = [(g, adapter_of(n) or "") for g, n in zip(self.group_index, names)]
         self.cells = list(dict.fromkeys(cells))          # (group, adapter) per cell
         self.cell_index = [self.cells.index(c) for c in cells]
+        # a tensor-hashed Linear weight's bias is hashed as the weight's extra column (see folds_bias)
+        index = {n: i for i, n in enumerate(self.names)}
+        self.row_hash_of = {b: w for b, n in enumerate(self.names) if n.endswith("bias")
+                            for w in [index.get(n[:-4] + "weight")] if w is not None and self.tensor[w]
+                            and self.params[b].dim() == 1 and self.params[b].numel() == _matrix_shape(self.params[w])[0]
+                            and self.cell_index[b] == self.cell_index[w]}
         self.state = torch.zeros(len(self.cells), n_agents, self.k, dtype=torch.float64, device=self.device)
 
     def zero(self) -> None:
@@ -189,8 +195,19 @@ class SketchStore(Store):
             self._tables[i, axis] = (signed, index.view(m, k), sign.view(m, k))
         return self._tables[i, axis]
 
+    def folds_bias(self, weight: int, bias: int) -> bool:
+        """A tensor-hashed weight's bias (``name.bias`` of ``name.weight``, d_out values, same cell) is hashed as
+        the weight's extra column, with column bucket 0 and sign +1 — coordinate i by the weight's row hash
+        ``(h_r(i), s_r(i))`` — so the TensorSketch of the augmented token factors ``[A_t, 1]`` sketches both,
+        the bias adding ``C_r G_t`` itself (its convolution with the unit vector e_0), already formed. Its collisions and sign moments are those of a column with a
+        random hash (every pair's bucket difference is uniform, the constant sign only ever meets itself in a
+        square), so the tensor-hashed bounds hold for ``[W, b]``."""
+        return self.row_hash_of.get(bias) == weight
+
     def _signed_index(self, i: int, coords: torch.Tensor) -> torch.Tensor:
         """Signed bucket in ``[0, 2k)`` of flattened coordinates ``coords`` (int64) of ``params[i]``."""
+        if i in self.row_hash_of:
+            return self._axis(self.row_hash_of[i], 0)[0][coords]
         if not self.tensor[i]:
             return signed_buckets(self.coeffs[i], coords, self.k)
         cols = _matrix_shape(self.params[i])[1]
@@ -206,6 +223,8 @@ class SketchStore(Store):
     def _range_index(self, i: int, start: int, m: int) -> torch.Tensor:
         """Signed buckets of the coordinates ``[start, start + m)``: for a tensor-hashed matrix, built from
         the rows they span (broadcast) instead of per-coordinate division."""
+        if i in self.row_hash_of:
+            return self._axis(self.row_hash_of[i], 0)[0][start:start + m]
         if not self.tensor[i]:
             if self.params[i].numel() > KEEP_BELOW:
                 return signed_buckets(self.coeffs[i], torch.arange(start, start + m, device=self.device), self.k)
@@ -277,10 +296,11 @@ class SketchStore(Store):
         signed.index_add_(0, index, values.to(self.device, self.dtype))
         self.state[self.cell_index[i]] += self._fold(signed.view(self.n_agents, 2 * self.k))
 
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor,
-                  A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor,
+                  bias: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """TensorSketch: agent k's sketch of ``Σ_{t of k} G_t A_tᵀ`` is ``IFFT(Σ_t FFT(C_r G_t) · FFT(C_c A_t))``
-        (agents: (N,) indices in ``[0, K)``),
+        (agents: (N,) indices in ``[0, K)``; with ``bias``, also ``Σ_{t of k} G_t`` for ``params[bias]``, see
+        :meth:`folds_bias`),
         O(N (d_out + d_in + k log k)); no outer product is formed. Tokens go a chunk at a time; returns
         ``(‖G‖_F, ‖A‖_F)`` (float64 scalars), taken from each chunk while it is in cache."""
         if not self.tensor[i]:  # a small matrix: its per-agent products, hashed coordinate by coordinate
@@ -292,6 +312,8 @@ class SketchStore(Store):
         bins = self.k // 2 + 1
         spectrum = torch.zeros(self.n_agents, bins * 2, dtype=self.dtype, device=self.device)  # (re, im) pairs
         squares = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # the bias as A's extra column (bucket 0, sign +1: folds_bias) adds u_t ⊛ e_0 = u_t: summed as it is
+        bias_sketch = None if bias is None else torch.zeros(self.n_agents, self.k, dtype=self.dtype, device=self.device)
         step = max(1, FFT_VALUES // self.k)
         for lo in range(0, len(agents), step):
             g, a = (X[lo:lo + step].to(self.device, self.dtype) for X in (G, A))
@@ -300,8 +322,11 @@ class SketchStore(Store):
             product = torch.fft.rfft(u, dim=1) * torch.fft.rfft(v, dim=1)   # (n, k/2+1) complex
             # summed by agent as real pairs: index_add of contiguous real rows is ~5x faster than of complex ones
             spectrum.index_add_(0, agents[lo:lo + step], torch.view_as_real(product).reshape(len(product), -1))
+            if bias_sketch is not None:
+                bias_sketch.index_add_(0, agents[lo:lo + step], u)
         spectrum = torch.view_as_complex(spectrum.double().view(self.n_agents, bins, 2))
-        self.state[self.cell_index[i]] += torch.fft.irfft(spectrum, n=self.k, dim=1)
+        sketch = torch.fft.irfft(spectrum, n=self.k, dim=1)
+        self.state[self.cell_index[i]] += sketch if bias_sketch is None else sketch + bias_sketch.double()
         g_norm, a_norm = squares.sqrt()
         return g_norm, a_norm
 

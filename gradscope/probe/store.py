@@ -98,11 +98,17 @@ class Store(ABC):
         larger weights go through :meth:`add_outer`."""
         return self.n_agents * self.params[i].numel() <= CHUNK
 
+    def folds_bias(self, weight: int, bias: int) -> bool:
+        """Whether :meth:`add_outer` of ``params[weight]`` takes the bias ``params[bias]``'s per-token terms
+        ``G_t`` as well (``bias=``), instead of the caller adding their sums by agent."""
+        return False
+
     @abstractmethod
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor,
-                  A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor,
+                  bias: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Add the per-token outer products ``G_t A_tᵀ`` to agent ``agents[t]``'s gradient of the matrix
-        ``params[i]`` (d_out, d_in); agents (N,), G (N, d_out), A (N, d_in). Returns ``(‖G‖_F, ‖A‖_F)``
+        ``params[i]`` (d_out, d_in); agents (N,), G (N, d_out), A (N, d_in); with ``bias`` (only where
+        :meth:`folds_bias`), ``G_t`` to its gradient of ``params[bias]`` too. Returns ``(‖G‖_F, ‖A‖_F)``
         where it computed them on the way (else None)."""
 
     @abstractmethod
@@ -190,7 +196,8 @@ class FlatStore(Store):
         for start in range(sl.start, sl.stop, CHUNK):
             yield self.buffer[:, start:min(start + CHUNK, sl.stop)]
 
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor,
+                  bias: int | None = None) -> None:
         """Per agent ``G_kᵀ A_k``, a block of output rows at a time (no (K, d_out, d_in) temporary); returns None."""
         d_in = A.shape[1]
         present = agents.unique().tolist()

@@ -183,7 +183,8 @@ class SampleStore(Store):
             at = self.offsets[i]
             self.buffer[list(agents), at + lo:at + hi] += values[:, c[lo:hi] - start].to(self.device, self.dtype)
 
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor) -> None:
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor,
+                  bias: int | None = None) -> None:
         """Agent k's ``Σ_{t of k} G_t A_tᵀ`` at the sampled coordinates only: O(tokens × sampled)."""
         c = self._coords[i]
         if not len(c):
@@ -253,9 +254,9 @@ class TeeStore(Store):
     def small(self, i: int) -> bool:
         return self.first.small(i)
 
-    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor,
-                  A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        self.second.add_outer(i, agents, G, A)
+    def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor,
+                  bias: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self.second.add_outer(i, agents, G, A)  # (folds_bias is False: no bias is handed over)
         return self.first.add_outer(i, agents, G, A)
 
     def local_copy(self) -> "TeeStore":

@@ -438,3 +438,42 @@ def test_add_up_check_catches_a_full_width_weight_used_outside_its_layer(monkeyp
                     s.backward_tokens(model(x).sum(-1), ids)
                 assert s.result.gram[0, 0] > 0
             probe.close()
+
+
+@pytest.mark.parametrize("structure", ["rank-one", "many tokens"])
+def test_a_folded_bias_is_the_weights_extra_column_within_the_bound(monkeypatch, structure):
+    """A tensor-hashed weight's bias is hashed as the weight's extra column (folds_bias): the TensorSketch of
+    [A_t, 1] sketches both, the same map as hashing the bias by coordinate (split), unbiased and within the
+    tensor-hashed bound for the augmented matrices [Gᵀ A, Gᵀ 1] over 300 seeds."""
+    from gradscope.probe import sketch as sketch_module
+
+    monkeypatch.setattr(sketch_module, "_tensor_hashed", lambda p, k: p.dim() >= 2)  # the matrix counts as large
+    d_out, d_in, k, n_tokens = 40, 60, 32, (1 if structure == "rank-one" else 30)
+    g = torch.Generator().manual_seed(5)
+    mats = [(torch.randn(n_tokens, d_out, generator=g, dtype=torch.float64) * (1 + a / 2),
+             torch.randn(n_tokens, d_in, generator=g, dtype=torch.float64)) for a in range(4)]
+    V = torch.stack([torch.cat([(G.T @ A).reshape(-1), G.sum(0)]) for G, A in mats])
+    M = (V @ V.T).numpy()
+    params = [nn.Parameter(torch.zeros(d_out, d_in, dtype=torch.float64)),
+              nn.Parameter(torch.zeros(d_out, dtype=torch.float64))]
+    est = []
+    for seed in range(300):
+        store = SketchStore(params, ["lin.weight", "lin.bias"], [0, 0], 1, 4, Sketch(k, seed))
+        assert store.tensor[0] and store.folds_bias(0, 1)
+        store.zero()
+        for a, (G, A) in enumerate(mats):
+            store.add_outer(0, torch.full((n_tokens,), a), G, A, bias=1)
+        if seed < 3:  # the same linear map as the bias hashed by coordinate next to the weight's sketch
+            by_coordinate = SketchStore(params, ["lin.weight", "lin.bias"], [0, 0], 1, 4, Sketch(k, seed))
+            by_coordinate.zero()
+            for a, (G, A) in enumerate(mats):
+                by_coordinate.add(0, [a], (G.T @ A).reshape(1, -1))
+                by_coordinate.add(1, [a], G.sum(0)[None])
+            torch.testing.assert_close(store.state, by_coordinate.state, rtol=1e-10, atol=1e-10)
+        est.append(store.grams()[0])
+    err = np.stack(est) - M
+    d = np.diag(M)
+    iu = np.triu_indices(4)
+    z = err[:, iu[0], iu[1]] / np.sqrt(3 * (np.outer(d, d) + M ** 2)[iu] / k)
+    assert np.all(np.mean(z ** 2, axis=0) <= 1.3)
+    assert np.all(np.abs(z.mean(0)) <= 4 / np.sqrt(300))
