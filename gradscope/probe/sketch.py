@@ -13,7 +13,8 @@ the pair (h(j), s(j)) is 4-wise independent across coordinates, up to a relative
   tr((XYᵀ)²) + tr((XᵀY)²)) / k ≤ 3 (M_kk M_ll + M_kl²) / k`` to first order in 1/k (3× for rank-one
   X = Y; about 1× for matrices summed from many tokens);
 * linear: the sketch of a sum is the sum of sketches, so gradient accumulation and ranks add up
-  (every rank hashes alike: the hash depends only on the seed, the parameter's name and j);
+  (every rank hashes alike: the hash depends only on the seed, the parameter's name and shape, k and j —
+  and, for a bias folded into its weight's sketch, on that weight's: see :meth:`SketchStore.folds_bias`);
 * O(P) time per sketched vector, k values per agent and group in memory; nothing O(P) is kept
   (the hash is recomputed from the seed whenever a gradient is sketched; a tensor-hashed matrix keeps
   O(d_out + d_in) values, its rows' and columns' buckets; parameters of at most :data:`KEEP_BELOW`
@@ -39,8 +40,8 @@ from gradscope.probe.store import CHUNK, Store
 
 #: The Mersenne prime 2^31 - 1: hashed coordinates must be below it, products of two residues fit int64.
 PRIME = (1 << 31) - 1
-#: Parameters hashed coordinate by coordinate with at most this many values (biases, norms' scales, small LoRA
-#: factors) keep their signed buckets instead of rehashing them at every sketch.
+#: Parameters hashed coordinate by coordinate with at most this many values (biases not folded into their weight's
+#: sketch, norms' scales, small LoRA factors) keep their signed buckets instead of rehashing them at every sketch.
 KEEP_BELOW = 1 << 13
 #: A CountSketch of a d-wide axis gathers each of its ⌈d/k⌉ slot blocks separately below this many (see _gathered_sum).
 LOOP_BELOW = 4
@@ -116,7 +117,8 @@ class SketchStore(Store):
     Each parameter is hashed one of two ways, fixed by its shape (so alike on every rank):
 
     * vectors and matrices whose per-token products are cheap (LoRA factors, biases; see
-      :func:`_tensor_hashed`): CountSketch of the flattened coordinates, ``(h, s)`` 4-wise independent;
+      :func:`_tensor_hashed`): CountSketch of the flattened coordinates, ``(h, s)`` 4-wise independent —
+      except a bias paired with a tensor-hashed weight (:meth:`folds_bias`), which takes the weight's row hash;
     * larger matrices (d_out, d_in) (full-width weights; >2-D ones as (shape[0], rest)): the
       tensor-structured hash ``h(i, j) = (h_r(i) + h_c(j)) mod k``, ``s(i, j) = s_r(i) s_c(j)`` with
       independent row and column hashes (signs 4-wise independent, buckets from
@@ -196,12 +198,14 @@ class SketchStore(Store):
         return self._tables[i, axis]
 
     def folds_bias(self, weight: int, bias: int) -> bool:
-        """A tensor-hashed weight's bias (``name.bias`` of ``name.weight``, d_out values, same cell) is hashed as
-        the weight's extra column, with column bucket 0 and sign +1 — coordinate i by the weight's row hash
-        ``(h_r(i), s_r(i))`` — so the TensorSketch of the augmented token factors ``[A_t, 1]`` sketches both,
-        the bias adding ``C_r G_t`` itself (its convolution with the unit vector e_0), already formed. Its collisions and sign moments are those of a column with a
-        random hash (every pair's bucket difference is uniform, the constant sign only ever meets itself in a
-        square), so the tensor-hashed bounds hold for ``[W, b]``."""
+        """A tensor-hashed weight's bias — paired by name (``name.bias`` with ``name.weight``: Linear, Conv,
+        ``in_proj_bias`` with ``in_proj_weight``), d_out values, same cell — is hashed as the weight's extra
+        column, with column bucket 0 and sign +1 (coordinate i by the weight's row hash ``(h_r(i), s_r(i))``),
+        so the TensorSketch of the augmented token factors ``[A_t, 1]`` sketches both, the bias adding the
+        ``C_r G_t`` already formed (their convolution with the unit vector e_0). It shares a bucket with any
+        given column with probability exactly 1/k (its bucket difference is that column's uniform ``h_c``), and
+        the constant sign only ever meets itself in a square, so the tensor-hashed bounds, which assume 1/k,
+        hold for ``[W, b]``."""
         return self.row_hash_of.get(bias) == weight
 
     def _signed_index(self, i: int, coords: torch.Tensor) -> torch.Tensor:
@@ -303,6 +307,8 @@ class SketchStore(Store):
         :meth:`folds_bias`),
         O(N (d_out + d_in + k log k)); no outer product is formed. Tokens go a chunk at a time; returns
         ``(‖G‖_F, ‖A‖_F)`` (float64 scalars), taken from each chunk while it is in cache."""
+        if bias is not None and not self.folds_bias(i, bias):
+            raise ProbeError(f"sketch: {self.names[bias]} is not folded into {self.names[i]}'s sketch")
         if not self.tensor[i]:  # a small matrix: its per-agent products, hashed coordinate by coordinate
             present = agents.unique().tolist()
             self.add(i, present, torch.stack([G[agents == k].T.to(self.dtype) @ A[agents == k].to(self.dtype)

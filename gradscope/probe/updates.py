@@ -256,7 +256,9 @@ class TeeStore(Store):
 
     def add_outer(self, i: int, agents: torch.Tensor, G: torch.Tensor, A: torch.Tensor,
                   bias: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        self.second.add_outer(i, agents, G, A)  # (folds_bias is False: no bias is handed over)
+        if bias is not None:  # folds_bias is False here: callers add the bias themselves
+            raise ProbeError("a TeeStore folds no bias into a weight's sketch")
+        self.second.add_outer(i, agents, G, A)
         return self.first.add_outer(i, agents, G, A)
 
     def local_copy(self) -> "TeeStore":
