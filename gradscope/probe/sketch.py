@@ -144,8 +144,8 @@ class SketchStore(Store):
         self.names, self.sketch, self.k = list(names), sketch, sketch.k
         self.coeffs = [hash_coefficients(sketch.seed, n) for n in names]
         self.tensor = [_tensor_hashed(p, self.k) for p in self.params]
-        self._tables: dict = {}  # i → a small vector's signed buckets; (i, axis) → a matrix axis' (see _axis)
-        self._split: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (i, axis) → bucket, sign
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # see _axis
+        self._kept: dict[int, torch.Tensor] = {}  # i → signed buckets of a parameter of at most KEEP_BELOW values
         self._forms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # i → the add-up check's r_f, [Re c_f, Im c_f]
         cells = [(g, adapter_of(n) or "") for g, n in zip(self.group_index, names)]
         self.cells = list(dict.fromkeys(cells))          # (group, adapter) per cell
@@ -167,7 +167,7 @@ class SketchStore(Store):
 
     def local_copy(self) -> "SketchStore":
         copy = SketchStore(self.params, self.names, self.group_index, self.n_groups, self.n_agents, self.sketch)
-        copy._tables, copy._split, copy._forms = self._tables, self._split, self._forms  # the same hashes
+        copy._tables, copy._kept, copy._forms = self._tables, self._kept, self._forms  # the same hashes
         return copy
 
     def _fold(self, signed: torch.Tensor) -> torch.Tensor:
@@ -232,10 +232,10 @@ class SketchStore(Store):
         if not self.tensor[i]:
             if self.params[i].numel() > KEEP_BELOW:
                 return signed_buckets(self.coeffs[i], torch.arange(start, start + m, device=self.device), self.k)
-            if i not in self._tables:
-                self._tables[i] = signed_buckets(self.coeffs[i], torch.arange(self.params[i].numel(),
-                                                                              device=self.device), self.k)
-            return self._tables[i][start:start + m]
+            if i not in self._kept:
+                self._kept[i] = signed_buckets(self.coeffs[i], torch.arange(self.params[i].numel(),
+                                                                            device=self.device), self.k)
+            return self._kept[i][start:start + m]
         cols = _matrix_shape(self.params[i])[1]
         h_rows, h_cols = self._axis_hashes(i)
         r0, r1 = start // cols, -(-(start + m) // cols)
@@ -338,10 +338,8 @@ class SketchStore(Store):
 
     def _buckets(self, i: int, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Bucket (in ``[0, k)``) and sign (±1) of each row (``axis`` 0) or column (1) of tensor-hashed ``params[i]``."""
-        if (i, axis) not in self._split:
-            signed = self._axis_hashes(i)[axis]
-            self._split[i, axis] = (signed % self.k, (1 - 2 * (signed >= self.k)).to(self.dtype))
-        return self._split[i, axis]
+        signed = self._axis(i, axis)[0]
+        return signed % self.k, (1 - 2 * (signed >= self.k)).to(self.dtype)
 
     def _count_sketch(self, X: torch.Tensor, i: int, axis: int) -> torch.Tensor:
         """(n, k): the CountSketch of each row of X (n, d) under the signed buckets of ``params[i]``'s rows
