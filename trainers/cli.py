@@ -6,6 +6,7 @@ are answered at once.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -64,14 +65,23 @@ def train_main(argv: Sequence[str]) -> int:
         trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))
     except ConfigError as exc:  # a bad value from the config file: say where it was set
         raise locate(exc, {k: where for k, where in origin.items() if k not in given}) from None
+    finished = False
     try:
         out = run_with_progress(trainer)
+        finished = True
     finally:
-        trainer.dist.close()
+        trainer.dist.close(finished)
     if trainer.dist.is_main:
         if trainer.stopped_by is not None:
             print(f"gradscope: stopped after step {trainer.stopped_after} by alert: {trainer.stopped_by.message}")
         print(f"wrote {out}")
+    if trainer.dist.active:
+        # Everything is written and the process group is gone: skip the interpreter's teardown, in which
+        # gloo's worker threads can still take the GIL of a finalising interpreter and abort the rank
+        # (SIGABRT, "terminate called without an active exception"), failing a finished torchrun job.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

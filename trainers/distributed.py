@@ -123,8 +123,13 @@ class Dist:
         if self.is_main:
             self.barrier()
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Leave the process group. After a run every rank finished (``finished``), the ranks first
+        meet at a barrier, so that no rank tears gloo down while another is still in a collective or
+        writing the run file; after an error they do not wait for each other."""
         if self.active and tdist.is_initialized():
+            if finished:
+                tdist.barrier()
             tdist.destroy_process_group()
 
     def _device(self) -> torch.device:
