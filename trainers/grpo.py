@@ -38,6 +38,7 @@ import torch
 
 from gradscope.peft_support import use_adapter
 from gradscope.probe import Probe, StepResult, UpdateResult
+from gradscope.stats import cosine
 from gradscope.trainers.distributed import Dist
 from gradscope.trainers.grpo_config import ROLE_BALANCE, GRPOConfig
 from gradscope.trainers.per_role import role_values
@@ -264,7 +265,8 @@ class GRPOUpdater:
             ema = self.coherence_ema.get(role)
             c = 1.0
             if ema is not None:
-                cos = float(g @ ema) / max(float(g.norm() * ema.norm()), 1e-30)
+                pair = torch.stack([g, ema]).double()  # float64: an fp32 cosine of g with itself reads 1 + 1e-6
+                cos = float(cosine((pair @ pair.T).cpu().numpy())[0, 1])
                 c = 1.0 - self.coherence[role] * max(0.0, cos)
                 ema.mul_(self.cfg.coherence_beta).add_(g, alpha=1 - self.cfg.coherence_beta)
             else:

@@ -112,7 +112,7 @@ def test_names_are_safe_for_every_dashboard():
 
 
 @pytest.mark.slow
-def test_train_log_to_every_dashboard(tmp_path):
+def test_train_log_to_every_dashboard(tmp_path, alternating_rewards):
     """``gradscope train --log-to``: the dashboards hold the run file's own step statistics and alerts."""
     from gradscope.integrations.scalars import step_scalars
     from gradscope.trainers.config import TrainConfig

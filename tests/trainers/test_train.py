@@ -93,7 +93,7 @@ def test_every_workflow_and_task_runs(tmp_path, workflow, task):
         assert json.loads(json.dumps(run.meta.config))["workflow"] == workflow
 
 
-def test_ip_and_sp_gram_structure_and_probe_matches_trainer(tmp_path):
+def test_ip_and_sp_gram_structure_and_probe_matches_trainer(tmp_path, alternating_rewards):
     """IP: voter–aggregator entries are exactly 0; SP: they are not. The probe's total norm equals
     the trainer's own pre-clipping grad norm, record by record; a 3-voter role takes 3× the steps."""
     runs = {}
@@ -106,7 +106,7 @@ def test_ip_and_sp_gram_structure_and_probe_matches_trainer(tmp_path):
     agg = ip.meta.agent_roles.index("aggregator")
     assert np.all(ip.gram[:, voters, agg] == 0)
     both = (sp.gram[:, agg, agg] > 0) & (sp.gram[:, voters, voters].max(axis=1) > 0)
-    assert both.sum() >= 3  # records where both roles pushed (zero advantages give zero gradients)
+    assert both.sum() >= 3  # records where both roles pushed (a mini-batch may hold no aggregator sample)
     assert np.all(np.abs(sp.gram[both][:, voters, agg]).max(axis=1) > 0)
     assert ip.meta.groups == ["voter", "aggregator"] and sp.meta.groups == ["shared"]
     np.testing.assert_allclose(ip.group_gram.sum(axis=1), ip.gram, rtol=1e-12)

@@ -10,7 +10,8 @@ import pytest
 from gradscope.runfile import open_run
 from gradscope.trainers.reward import Scorer
 from gradscope.trainers.train import Trainer
-from tests.trainers.conftest import alternating_scores, crash_at
+from tests.conftest import alternating_scores
+from tests.trainers.conftest import crash_at
 from tests.trainers.test_train import GRADSCOPE, small
 
 pytestmark = pytest.mark.slow  # trainer runs of a few seconds each (tens under load)
