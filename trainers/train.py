@@ -210,7 +210,15 @@ class Trainer:
                        group_sizes=self.probe.group_sizes if per_group else [],
                        config=self.stored_config(),
                        seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS,
-                       update_unit=self.probe.update_unit or "")
+                       update_unit=self.probe.update_unit or "", versions=self.base_versions())
+
+    def base_versions(self) -> dict[str, str]:
+        """The testbed warm start's digest and whether it is the pinned build (``versions["testbed"]``)."""
+        if self.cfg.model != "testbed":
+            return {}
+        from gradscope.trainers.testbed.cache import provenance  # imports transformers: not before a model
+
+        return {"testbed": provenance(SCALES[self.cfg.scale])}
 
     def stored_config(self) -> dict:
         """The resolved config as the run file stores it (JSON types), with the world size."""

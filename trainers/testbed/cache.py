@@ -1,13 +1,16 @@
 """The testbed warm start on disk: built once per config, reproducibly, then loaded.
 
-**Reproducible across machines.** The build runs in a fresh interpreter (:func:`main`) whose float
-kernels are fixed by :data:`BUILD_ENV`: one thread, ATen's AVX2 kernels, MKL's conditional numerical
-reproducibility in AVX2 strict mode, oneDNN capped at AVX2. Measured on an AVX-512 machine: ATen's
-AVX-512 kernels, MKL's default dispatch, or a second thread each change the weights after a few dozen
-steps (and training amplifies that into different accuracies); with :data:`BUILD_ENV` the weights do
-not depend on the thread count. Any x86-64 CPU with AVX2 runs the same code paths, so a seed gives the
-same bytes; :func:`weights_digest` (sha256 of the fp32 weights) is pinned in ``pinned.json`` and the
-test suite checks the build against it. (ARM CPUs take other kernels: not covered by the pin.)
+**Reproducible on a machine, pinned for the record.** The build runs in a fresh interpreter
+(:func:`main`) whose float kernels are fixed by :data:`BUILD_ENV`: one thread, ATen's AVX2 kernels,
+MKL's conditional numerical reproducibility in AVX2 strict mode, oneDNN capped at AVX2. Measured on an
+AVX-512 machine: ATen's AVX-512 kernels, MKL's default dispatch, or a second thread each change the
+weights after a few dozen steps (and training amplifies that into different accuracies); with
+:data:`BUILD_ENV` the weights do not depend on the thread count or the caller's settings. They still
+depend on the CPU: another x86-64 machine of this workplace built other bytes with the same code (its
+library kernels take other paths than these settings reach). :func:`weights_digest` (sha256 of the
+fp32 weights) of the build behind the documented numbers is pinned in ``pinned.json``; every run file
+records its own (:func:`provenance`), and ``python -m gradscope.trainers.testbed.cache verify`` says
+whether this machine builds the pinned bytes. Nothing in the test suite depends on which bytes it got.
 
 **Cached** under ``$GRADSCOPE_CACHE/testbed`` (default ``~/.cache/gradscope``), keyed by the config and
 the source of every module the build depends on, so the weights stay in step with the code. A file
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import inspect
 import json
@@ -84,6 +88,21 @@ def pinned_digest(cfg: WarmStartConfig) -> str | None:
     """The digest every machine's build of ``cfg`` must have, or None if it is not pinned."""
     pins = json.loads(PINNED.read_text()) if PINNED.exists() else {}
     return pins.get(config_id(cfg), {}).get("digest")
+
+
+def provenance(cfg: WarmStartConfig) -> str:
+    """What a run file records of its testbed (``versions["testbed"]``): the first 16 hex digits of
+    the cached warm start's :func:`weights_digest`, then ``pinned``, ``differs from the pin`` (this
+    machine's float kernels or the warm-start code are not those of the pin) or ``not pinned``."""
+    digest = _file_digest(cached_path(cfg))
+    pinned = pinned_digest(cfg)
+    status = "not pinned" if pinned is None else "pinned" if digest == pinned else "differs from the pin"
+    return f"{digest[:16]} ({status})"
+
+
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: Path) -> str:
+    return weights_digest(torch.load(path, weights_only=True))
 
 
 def cached_path(cfg: WarmStartConfig) -> Path:
@@ -157,22 +176,35 @@ def _build(cfg: WarmStartConfig, path: Path, verbose: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gradscope.trainers.testbed.cache build CONFIG_JSON OUT`` (the child of :func:`_build`),
-    or ``... pin [SCALE ...]``: build (or load) the warm start of every scale (or of those named) and
-    record its digest in ``pinned.json``."""
+    ``... pin [SCALE ...]``: build (or load) the warm start of every scale (or of those named) and
+    record its digest in ``pinned.json``, or ``... verify [SCALE ...]``: compare them with the pins."""
     parser = argparse.ArgumentParser(prog="python -m gradscope.trainers.testbed.cache")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build")
     p.add_argument("config")
     p.add_argument("out")
-    p = sub.add_parser("pin", help="record the digests of the warm starts built here in pinned.json")
-    p.add_argument("scales", nargs="*", metavar="SCALE", help=f"scales to pin: {', '.join(SCALES)} (default: all)")
+    for command, what, default in (
+            ("pin", "record the digests of the warm starts built here in pinned.json", "all"),
+            ("verify", "build (or load) each warm start and say whether it has the pinned bytes; exit 1 if one "
+                       "differs", "0.3M")):
+        p = sub.add_parser(command, help=what)
+        p.add_argument("scales", nargs="*", metavar="SCALE", default=list(SCALES) if default == "all" else [default],
+                       help=f"scales: {', '.join(SCALES)} (default: {default})")
     args = parser.parse_args(argv)
+    unknown = [s for s in getattr(args, "scales", []) if s not in SCALES]
+    if unknown:
+        parser.error(f"unknown scale(s) {unknown}; use {', '.join(SCALES)}")
+    if args.command == "verify":
+        differ = False
+        for scale in args.scales:
+            warm_started_model(SCALES[scale], verbose=True)
+            line = provenance(SCALES[scale])
+            differ |= line.endswith("(differs from the pin)")
+            print(f"{scale}: {line}")
+        return int(differ)
     if args.command == "pin":
-        unknown = [s for s in args.scales if s not in SCALES]
-        if unknown:
-            parser.error(f"unknown scale(s) {unknown}; use {', '.join(SCALES)}")
         pins = json.loads(PINNED.read_text()) if PINNED.exists() else {}
-        for scale in args.scales or SCALES:
+        for scale in args.scales:
             cfg = SCALES[scale]
             digest = weights_digest(warm_started_model(cfg, verbose=True).state_dict())
             pins[config_id(cfg)] = {"digest": digest, "scale": scale, "config": dataclasses.asdict(cfg)}
