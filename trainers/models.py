@@ -8,12 +8,15 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from gradscope.errors import ConfigError
 from gradscope.peft_support import adapter_parameters
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 TESTBED = "testbed"
 
@@ -76,6 +79,8 @@ def load_base(model: str, seed: int, verbose: bool = False, scale: str = "0.3M",
 
 def attach_adapters(base, adapters: list[str], spec: LoraSpec, seed: int) -> PeftModel:
     """One LoRA adapter per name on all linear layers, every adapter trainable."""
+    from peft import LoraConfig, get_peft_model  # peft pulls in transformers (~3 s): not for a bad flag
+
     torch.manual_seed(seed)
     config = dict(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules="all-linear")
     with warnings.catch_warnings():

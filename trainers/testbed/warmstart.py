@@ -10,8 +10,8 @@ from a model that knows each role's output format and is right often enough to h
   random picks they stay near-uniform and RL barely moves them (DESIGN.md, testbed notes);
 * the orchestrator on a fixed strategy list.
 
-The result is cached on disk and reproducible across machines: see :mod:`.cache`, which builds it
-in a child process with fixed float kernels.
+The result is cached on disk and reproducible on a machine: see :mod:`.cache`, which builds it in a
+child process with fixed float kernels (other CPUs may still build other bytes: the pin records ours).
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ import torch
 
 from gradscope.trainers.tasks import generate_math, generate_toy_code
 from gradscope.trainers.tasks.base import Task
-from gradscope.trainers.testbed.model import build_testbed_model
-from gradscope.trainers.testbed.tokenizer import build_tokenizer
 from gradscope.trainers.workflows.templates import Templates
 
 STRATEGIES = {"math": "col|tens|swap", "code": "direct|expand|check"}
@@ -96,6 +94,10 @@ def train_warm_start(cfg: WarmStartConfig, on_step: Callable[[int, int], object]
     Phase 2 teaches every role's format on the noisy traces of :func:`traces`.
     ``on_step(step, total)`` is called after every optimizer step.
     """
+    # here, not at import: transformers costs seconds, and the config (--scale) is read before any model
+    from gradscope.trainers.testbed.model import build_testbed_model
+    from gradscope.trainers.testbed.tokenizer import build_tokenizer
+
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     tok = build_tokenizer()
