@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` (the main job) and `make test`.
-# Both set themselves up: create .venv if missing, install pinned torch first, then the package.
+# Both set themselves up: create .venv if missing, install pinned torch first, then the package, every
+# dependency at the version pinned in constraints.txt (constraints-verl.txt for .venv-verl).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -23,15 +24,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gradscope demo
 
-$(VERL_STAMP): pyproject.toml setup.py constraints.txt
+$(VERL_STAMP): pyproject.toml setup.py constraints-verl.txt
 	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VERL_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(VERL_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,verl]'
+	$(VERL_VENV)/bin/python -m pip install -q -c constraints-verl.txt torch==2.13.0
+	$(VERL_VENV)/bin/python -m pip install -q -c constraints-verl.txt -e '.[test,verl]'
 	touch $(VERL_STAMP)
 
 test: $(STAMP) $(VERL_STAMP)
-	$(BIN)/python -m pytest -q --ignore=$(VERL_TESTS)
+	$(BIN)/python -m pytest -q --durations=15 --ignore=$(VERL_TESTS)
 	$(VERL_VENV)/bin/python -m pytest -q $(VERL_TESTS)
 
 test-verl: $(VERL_STAMP)
