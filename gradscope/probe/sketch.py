@@ -126,8 +126,9 @@ class SketchStore(Store):
       convolution of the CountSketches of ``g`` and ``a`` (TensorSketch), so per-token products are
       sketched by FFT without ever forming them (:meth:`add_outer`). Only O(d_out + d_in) values are
       kept: the rows' and columns' buckets (as signed buckets and as gathers) and the add-up check's
-      forms, about 20 (d_out + d_in) with F = 8. A non-finite value makes such a matrix's whole sketch
-      non-finite (empty gather slots multiply it by 0; the FFT spreads it anyway).
+      forms, about 20 (d_out + d_in) with F = 8. A non-finite value makes hooks' whole sketch of such
+      a matrix non-finite (the FFT spreads it); split's dense path keeps it in its buckets (and in those
+      reading empty gather slots, which multiply by 0, when it sits in row or column 0).
 
     Args:
         names: the probed parameters' names (they key the hash, so they must match across ranks).

@@ -462,9 +462,9 @@ def test_grad_reduced_when_the_framework_changes_grad():
 class Leaky(nn.Module):
     """A Linear whose weight is also used outside the layer (scaled by ``leak``): invisible to hooks."""
 
-    def __init__(self, leak: float = 1.0):
+    def __init__(self, leak: float = 1.0, width: int = 4):
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin = nn.Linear(width, width)
         self.leak = leak
 
     def forward(self, x):
