@@ -13,7 +13,7 @@ TINY = WarmStartConfig(skill_steps=6, role_steps=6, batch_size=8, hidden=32, lay
                        intermediate=64)
 
 
-def test_every_scale_is_pinned_and_runs_record_their_build(tmp_path, monkeypatch):
+def test_pinned_scales_and_runs_record_their_build(tmp_path, monkeypatch):
     """The pins exist (0.3M and 1.5M); a run file records its warm start's digest and whether it is the
     pinned build. Whether this machine builds the pinned bytes depends on its CPU (``cache verify``)."""
     from gradscope.runfile import open_run

@@ -90,13 +90,18 @@ def pinned_digest(cfg: WarmStartConfig) -> str | None:
     return pins.get(config_id(cfg), {}).get("digest")
 
 
-def provenance(cfg: WarmStartConfig) -> str:
-    """What a run file records of its testbed (``versions["testbed"]``): the first 16 hex digits of
-    the cached warm start's :func:`weights_digest`, then ``pinned``, ``differs from the pin`` (this
-    machine's float kernels or the warm-start code are not those of the pin) or ``not pinned``."""
+def pin_status(cfg: WarmStartConfig) -> tuple[str, str]:
+    """(the cached warm start's :func:`weights_digest`, ``pinned`` | ``differs from the pin`` (this
+    machine's float kernels or the warm-start code are not those of the pin) | ``not pinned``)."""
     digest = _file_digest(cached_path(cfg))
     pinned = pinned_digest(cfg)
-    status = "not pinned" if pinned is None else "pinned" if digest == pinned else "differs from the pin"
+    return digest, "not pinned" if pinned is None else "pinned" if digest == pinned else "differs from the pin"
+
+
+def provenance(cfg: WarmStartConfig) -> str:
+    """What a run file records of its testbed (``versions["testbed"]``): the first 16 hex digits of the
+    warm start's digest and its :func:`pin_status`, e.g. ``a88f4f3bdef367c7 (pinned)``."""
+    digest, status = pin_status(cfg)
     return f"{digest[:16]} ({status})"
 
 
@@ -184,12 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("out")
     for command, what, default in (
-            ("pin", "record the digests of the warm starts built here in pinned.json", "all"),
+            ("pin", "record the digests of the warm starts built here in pinned.json", list(SCALES)),
             ("verify", "build (or load) each warm start and say whether it has the pinned bytes; exit 1 if one "
-                       "differs", "0.3M")):
+                       "differs", ["0.3M"])):
         p = sub.add_parser(command, help=what)
-        p.add_argument("scales", nargs="*", metavar="SCALE", default=list(SCALES) if default == "all" else [default],
-                       help=f"scales: {', '.join(SCALES)} (default: {default})")
+        p.add_argument("scales", nargs="*", metavar="SCALE", default=default,
+                       help=f"scales: {', '.join(SCALES)} (default: {', '.join(default)})")
     args = parser.parse_args(argv)
     unknown = [s for s in getattr(args, "scales", []) if s not in SCALES]
     if unknown:
@@ -198,9 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         differ = False
         for scale in args.scales:
             warm_started_model(SCALES[scale], verbose=True)
-            line = provenance(SCALES[scale])
-            differ |= line.endswith("(differs from the pin)")
-            print(f"{scale}: {line}")
+            differ |= pin_status(SCALES[scale])[1] == "differs from the pin"
+            print(f"{scale}: {provenance(SCALES[scale])}")
         return int(differ)
     if args.command == "pin":
         pins = json.loads(PINNED.read_text()) if PINNED.exists() else {}
