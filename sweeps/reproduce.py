@@ -8,7 +8,9 @@
 A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<!-- /table -->``;
 ``--write`` replaces each block's content with the table regenerated from the folders under
 ``--root`` (default ``sweeps/out``, where ``gradscope sweep sweeps/NAME.yaml`` writes
-``sweeps/out/NAME``). A table whose folders are missing says so instead of failing.
+``sweeps/out/NAME``). A table whose folders are missing says so instead of failing. ``NAME@A,B`` computes table ``NAME`` over
+the sweeps ``A`` and ``B`` only (the scales section: ``claim1@voting_math_scale``); a plain ``NAME`` over
+its default sweeps (:data:`MAIN`, the 0.3M sweeps; ``compute``: :data:`SWEEPS`).
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ from gradscope.figures.table import cell_table, format_cell_table, summary_table
 from gradscope.runfile.progress import run_progress
 
 HERE = Path(__file__).resolve().parent
-#: Every sweep behind the document, in the order the document uses them.
-SWEEPS = ("voting_math_long", "voting_math_hot", "voting_math_cliff", "voting_math_scale", "workflows_math",
-          "workflows_code")
+#: The 0.3M sweeps behind the document's claim tables, in the order the document uses them.
+MAIN = ("voting_math_long", "voting_math_hot", "voting_math_cliff", "workflows_math", "workflows_code")
+#: Every sweep behind the document (the compute table, the per-sweep Table 1s, the figures).
+SWEEPS = (*MAIN, "voting_math_scale")
 #: The coherence of independent agents of a 3-agent role, 1/√3.
 INDEPENDENT = 1 / np.sqrt(3)
-BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.@,-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
 class Folders:
@@ -122,14 +125,14 @@ def table1(name: str):
     return make
 
 
-def compute(folders: Folders) -> str:
+def compute(folders: Folders, names: tuple[str, ...] = SWEEPS) -> str:
     """Runs, training steps and compute of every sweep. Finished runs are the ones every other table
     holds; a run killed before its end (run file never closed) is listed with the step it reached and
     left out of the other tables. Step hours: the run files' ``time/rollout + time/update`` summed over
     every run, finished or not (one process with one torch thread each; evaluations not included).
     CPU hours: the sweep log's ``/usr/bin/time`` line(s), when the sweep ran to its end under it."""
     rows, total_cpu, total_hours = [], 0.0, 0.0
-    for name in SWEEPS:
+    for name in names:
         runs = folders.runs(name)
         killed = folders.unfinished(name)
         hours = sum(_step_seconds(s) for s in (*runs, *(s for _, s, _ in killed))) / 3600
@@ -156,9 +159,8 @@ def _step_seconds(s: RunSeries) -> float:
     return float(sum(m[c].sum() for c in ("time/rollout", "time/update") if c in m.columns))
 
 
-def claim1(folders: Folders) -> str:
+def claim1(folders: Folders, names: tuple[str, ...] = ("workflows_math", "workflows_code", "voting_math_long")) -> str:
     """Does MARL beat the base model? Per cell (policy at default settings): Δ = final − base."""
-    names = ["workflows_math", "workflows_code", "voting_math_long", "voting_math_scale"]
     rows, beats, cells = [], 0, 0
     for name in names:
         runs = [s for s in folders.runs(name) if _variant(s) == "none"]
@@ -186,9 +188,8 @@ def _drop_before(acc: pd.Series, until: int) -> float:
     return float(np.max(np.maximum.accumulate(a) - a)) if len(a) else np.nan
 
 
-def claims23(folders: Folders) -> str:
+def claims23(folders: Folders, names: tuple[str, ...] = MAIN) -> str:
     """IP vs SP: peak, final, cliff rate, the largest early drop (first half of the run)."""
-    names = list(SWEEPS)
     rows = []
     for name in names:
         runs = [s for s in folders.runs(name) if _variant(s) == "none"]
@@ -215,10 +216,10 @@ def claims23(folders: Folders) -> str:
                 "SP peak", "SP final", "SP cliffs", "SP early drop"], rows)
 
 
-def claim4(folders: Folders) -> str:
+def claim4(folders: Folders, names: tuple[str, ...] = MAIN) -> str:
     """Same-role amplification under IP: coherence of the multi-agent roles, and the update channel."""
     rows = []
-    for name in SWEEPS:
+    for name in names:
         for i, s in enumerate(folders.runs(name)):
             d = data.describe(s)
             if d["policy"] != "ip" or _variant(s) != "none":
@@ -237,7 +238,7 @@ def claim4(folders: Folders) -> str:
                              float(np.median(coh)), float(np.percentile(coh, 90)), float(np.mean(coh > 0.75)),
                              float(np.median(coh[:q])), float(np.median(coh[-q:])), found, ratio))
     if not rows:
-        return _missing(list(SWEEPS), folders)
+        return _missing(names, folders)
     df = pd.DataFrame(rows, columns=["sweep", "cell", "model", "role", "lr", "median", "p90", "above", "first",
                                      "last", "found", "ratio"])
     out = []
@@ -265,10 +266,10 @@ def _update_ratio(s: RunSeries, role: str) -> float:
     return float(np.median(ratio)) if len(ratio) else np.nan
 
 
-def claim5(folders: Folders) -> str:
+def claim5(folders: Folders, names: tuple[str, ...] = MAIN) -> str:
     """SP capture: the dominant role's contribution, token and per-token shares; capture findings."""
     rows = []
-    for name in SWEEPS:
+    for name in names:
         for i, s in enumerate(folders.runs(name)):
             d = data.describe(s)
             if d["policy"] != "sp" or _variant(s) != "none" or not s.shared_sets:
@@ -282,7 +283,7 @@ def claim5(folders: Folders) -> str:
                          float(np.nanmedian(st["per_token_share"][:, j])), len(found),
                          ",".join(sorted({f.evidence["explained_by"] for f in found}))))
     if not rows:
-        return _missing(list(SWEEPS), folders)
+        return _missing(names, folders)
     df = pd.DataFrame(rows, columns=["sweep", "cell", "model", "lr", "role", "share", "tok", "ptok", "n", "why"])
     out = []
     for (sweep, cell, model, lr, role), g in df.groupby(["sweep", "cell", "model", "lr", "role"], sort=False,
@@ -310,13 +311,13 @@ def _early_warning():
     return module
 
 
-def leads(folders: Folders) -> str:
+def leads(folders: Folders, names: tuple[str, ...] = MAIN) -> str:
     """Which signal leads the cliffs, by how much, and how often it fires on runs without a cliff:
     every run of every sweep, the alert rules replayed as ``gradscope watch`` would (causal), and the
     analyser's lead indicators (which signal left its pre-peak baseline first)."""
     measure = _early_warning().measure
     rows, signals = [], {}
-    for name in SWEEPS:
+    for name in names:
         for i, s in enumerate(folders.runs(name)):
             if len(s.accuracy) < 3:
                 continue
@@ -327,7 +328,7 @@ def leads(folders: Folders) -> str:
                     for lead in f.evidence["lead_indicators"]:  # share[voter@shared] → share[voter]
                         signals.setdefault(re.sub(r"@[^\]]*", "", lead["signal"]), []).append(lead["lead"])
     if not rows:
-        return _missing(list(SWEEPS), folders)
+        return _missing(names, folders)
     cliff = [r for r in rows if r["onset"] is not None]
     healthy = [r for r in rows if r["onset"] is None]
     out = []
@@ -375,14 +376,21 @@ TABLES = {
 
 
 def regenerate(text: str, folders: Folders, extra: dict | None = None) -> str:
-    """The document with every table block replaced (unknown names: ValueError)."""
+    """The document with every table block replaced (unknown names or sweeps: ValueError)."""
     tables = {**TABLES, **(extra or {})}
 
     def replace(m: re.Match) -> str:
-        name = m.group("name")
+        name, _, scope = m.group("name").partition("@")
         if name not in tables:
             raise ValueError(f"unknown table {name!r} in the document; known: {', '.join(tables)}")
-        return m.group(1) + tables[name](folders) + m.group(4)
+        if not scope:
+            return m.group(1) + tables[name](folders) + m.group(4)
+        names = tuple(scope.split(","))
+        if unknown := [n for n in names if n not in SWEEPS]:
+            raise ValueError(f"unknown sweep {unknown[0]!r} in table {m.group('name')!r}; known: {', '.join(SWEEPS)}")
+        if name.startswith("table1.") or name == "mitigations":
+            raise ValueError(f"table {name!r} has no sweeps to choose (in {m.group('name')!r})")
+        return m.group(1) + tables[name](folders, names) + m.group(4)
 
     return BLOCK.sub(replace, text)
 

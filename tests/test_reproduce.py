@@ -129,3 +129,25 @@ def test_unknown_table_is_an_error(reproduce, root, tmp_path):
     doc.write_text("<!-- table: nope -->\n<!-- /table -->\n")
     with pytest.raises(ValueError, match="unknown table 'nope'"):
         reproduce.main(["--root", str(root), "--write", str(doc)])
+
+
+def test_a_table_can_be_scoped_to_some_sweeps(reproduce, root, tmp_path):
+    doc = tmp_path / "r.md"
+    doc.write_text("<!-- table: claim1@workflows_math -->\n<!-- /table -->\n<!-- table: claims23 -->\n<!-- /table -->\n"
+                   "<!-- table: compute@workflows_math,voting_math_long -->\n<!-- /table -->\n")
+    assert reproduce.main(["--root", str(root), "--write", str(doc)]) == 0
+    blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(doc.read_text())}
+    assert "| workflows_math |" in blocks["claim1@workflows_math"]
+    assert "voting_math_long" not in blocks["claim1@workflows_math"]
+    assert "| voting_math_long |" in blocks["claims23"]  # default: every 0.3M sweep
+    compute = blocks["compute@workflows_math,voting_math_long"]
+    assert "voting_math_scale" not in compute and "| total | 10 | 400 |" in compute
+
+
+@pytest.mark.parametrize("name, message", [("claim1@nope", "unknown sweep 'nope'"),
+                                           ("mitigations@workflows_math", "has no sweeps to choose")])
+def test_a_bad_scope_is_an_error(reproduce, root, tmp_path, name, message):
+    doc = tmp_path / "r.md"
+    doc.write_text(f"<!-- table: {name} -->\n<!-- /table -->\n")
+    with pytest.raises(ValueError, match=message):
+        reproduce.main(["--root", str(root), "--write", str(doc)])
