@@ -57,7 +57,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from gradscope.figures.demo import demo_figures
     from gradscope.trainers.demo import run_demo
 
-    paths = [str(p) for p in run_demo(args.out, steps=args.steps, threads=args.threads)]
+    paths = [str(p) for p in run_demo(args.out, steps=args.steps, threads=args.threads, jobs=args.jobs)]
     print("\n" + analyze_runs(paths))
     print("\nfigures:")
     for figure in demo_figures(paths, args.out):
@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
     p.add_argument("--steps", type=COUNT.arg, default=100, help="training steps per run")
     p.add_argument("--threads", type=WHOLE.arg, default=0,
-                   help="torch intra-op threads (0: one, the fastest for the testbed on a shared machine)")
+                   help="torch intra-op threads per run (0: one, the fastest for the testbed on a shared machine)")
+    p.add_argument("--jobs", type=COUNT.arg, default=2, help="runs at a time, each its own process (default 2)")
     p.set_defaults(func=_cmd_demo)
 
     from gradscope.analyses.thresholds import add_threshold_arguments  # dataclasses only

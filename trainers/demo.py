@@ -1,11 +1,13 @@
 """``gradscope demo``: Voting on math with Isolated- and Shared-Policy on the testbed, probed, and a
 short run where a phenomenon occurs.
 
-Writes ``ip.h5`` and ``sp.h5`` (the healthy pair at the testbed defaults) and ``hot.h5`` (IP at 10×
-the learning rate, where accuracy falls off a terminal cliff within about 15 steps, announced by the
-default ``cliff-early`` alert) into the output folder, and prints, per run, the held-out accuracy of
-the base model, the peak and the final one, and what the probe saw (voter–aggregator Gram entries
-are exactly 0 under IP, where the roles own disjoint adapters, and not under SP).
+Trains ``ip`` and ``sp`` (the healthy pair at the testbed defaults) and ``hot`` (IP at 10× the learning
+rate, where accuracy falls off a terminal cliff within about 15 steps, announced by the default
+``cliff-early`` alert), each as its own ``gradscope train`` process, ``jobs`` at a time: the output
+folder is a three-cell sweep folder (``runs/<name>.h5``, ``logs/<name>.log``, ``cells.json``). Prints,
+per run, the held-out accuracy of the base model, the peak and the final one, the alerts it raised,
+and what the probe saw (voter–aggregator Gram entries are exactly 0 under IP, where the roles own
+disjoint adapters, and not under SP).
 """
 from __future__ import annotations
 
@@ -14,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
+from gradscope.errors import GradscopeError
 from gradscope.runfile import open_run
-from gradscope.trainers.cli import run_with_progress
-from gradscope.trainers.config import TrainConfig
-from gradscope.trainers.grpo_config import GRPOConfig
+from gradscope.trainers.sweep.grid import Cell
+from gradscope.trainers.sweep.runs import FRESH
+from gradscope.trainers.sweep.scheduler import run_cells, write_manifest
 from gradscope.trainers.testbed import cache
-from gradscope.trainers.train import Trainer
-
+from gradscope.trainers.testbed.scales import DEFAULT_SCALE, SCALES
 
 #: CPU seconds per demo training step (rollout, update, probe, amortised evaluation and analysis):
 #: 247 CPU-s for the demo's 230 steps, measured with a warm cache.
@@ -29,28 +31,47 @@ SECONDS_PER_STEP = 1.07
 HOT = dict(policy="ip", lr=1e-2, steps=30, eval_every=5)
 
 
-def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0) -> list[Path]:
+def demo_cells(steps: int, threads: int) -> list[Cell]:
+    """The demo's runs as sweep cells: ``gradscope train`` flags, without ``--out``."""
+    common = ["--workflow", "voting", "--task", "math", "--checkpoint-every", "0", "--probe-updates", "role",
+              "--threads", str(threads or 1)]
+    runs = {"ip": dict(policy="ip", steps=steps, eval_every=10), "sp": dict(policy="sp", steps=steps, eval_every=10),
+            "hot": HOT}
+    return [Cell(name, {}, [*common, *(a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", str(v)))],
+                 ()) for name, settings in runs.items()]
+
+
+def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0, jobs: int = 2) -> list[Path]:
+    """Build the warm start (once per machine), then train the demo's runs ``jobs`` at a time; returns
+    their run files (ip, sp, hot). Raises GradscopeError, naming its log, if a run fails."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    total = 2 * steps + HOT["steps"]
-    print(f"demo: Voting/math, IP then SP, {steps} steps each, then IP at 10x the learning rate for "
-          f"{HOT['steps']} steps; torch threads: {threads or '1 (testbed default; --threads N for more)'}; "
-          f"expected about {total * SECONDS_PER_STEP / 60:.0f} min on an idle machine, plus about "
+    cells = demo_cells(steps, threads)
+    # wall time: the runs' CPU seconds spread over the jobs, and no less than the longest run
+    expected = max(steps, (2 * steps + HOT["steps"]) / min(jobs, len(cells))) * SECONDS_PER_STEP
+    print(f"demo: Voting/math, IP and SP, {steps} steps each, and IP at 10x the learning rate for "
+          f"{HOT['steps']} steps; {jobs} at a time, torch threads: {threads or 1} each; expected about "
+          f"{expected / 60:.0f} min on an idle machine with {jobs} cores, plus about "
           f"{cache.EXPECTED_SECONDS / 60:.0f} min once to build the testbed warm start", flush=True)
-    runs = [("ip", dict(policy="ip", steps=steps, eval_every=10)), ("sp", dict(policy="sp", steps=steps, eval_every=10)),
-            ("hot", HOT)]
-    paths = []
-    for name, settings in runs:
-        if name == "hot":
+    t0 = time.perf_counter()
+    cache.warm_started_model(SCALES[DEFAULT_SCALE], verbose=True)  # once here, not in every run's process
+    write_manifest(out_dir, cells, Path("gradscope demo"))
+    for cell in cells:  # every demo starts its runs afresh: their logs too
+        (out_dir / "logs" / f"{cell.name}.log").unlink(missing_ok=True)
+    outcome = run_cells([(c, int(c.argv[c.argv.index("--steps") + 1]), FRESH, 0) for c in cells], out_dir, jobs,
+                        poll=1.0)
+    if outcome.failed:
+        name, log = next(iter(outcome.failed.items()))
+        raise GradscopeError(f"demo run {name!r} failed; its output is in {log}")
+    paths = [c.run_path(out_dir) for c in cells]
+    for cell, path in zip(cells, paths):
+        if cell.name == "hot":
             print(f"\ndemo: a regime where a phenomenon occurs: IP at lr {HOT['lr']:g} (10x), evaluations every "
-                  f"{HOT['eval_every']} steps; watch the default alerts", flush=True)
-        t0 = time.perf_counter()
-        cfg = TrainConfig(workflow="voting", task="math", out=str(out_dir / f"{name}.h5"), overwrite=True,
-                          checkpoint_every=0, threads=threads, probe_updates="role",
-                          grpo=GRPOConfig(lr=settings.get("lr", 0.0)),
-                          **{k: v for k, v in settings.items() if k != "lr"})
-        paths.append(run_with_progress(Trainer(cfg, verbose=True)))
-        print(summary(paths[-1]) + f"\n  time      {time.perf_counter() - t0:.0f} s", flush=True)
+                  f"{HOT['eval_every']} steps, the default alerts on", flush=True)
+        alerts = [line for line in (out_dir / "logs" / f"{cell.name}.log").read_text().splitlines()
+                  if line.startswith("gradscope alert")]
+        print("\n".join([summary(path), *(f"  {line}" for line in alerts)]), flush=True)
+    print(f"\ndemo: trained in {time.perf_counter() - t0:.0f} s", flush=True)
     return paths
 
 

@@ -364,7 +364,7 @@ BAD_FLAGS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "plot ": (["--smooth", "--window"], ("0", "-2", "nan", "1.5")),
     "watch": (["--poll"], ("0", "-1", "nan", "inf")),
     "watch ": (["--wait", "--idle"], ("-1", "nan", "inf")),
-    "demo": (["--steps"], ("0", "-1", "nan")),
+    "demo": (["--steps", "--jobs"], ("0", "-1", "nan")),
 }
 
 

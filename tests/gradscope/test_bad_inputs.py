@@ -67,6 +67,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["watch", "{run}", "--poll", "nan"], "argument --poll: must be a finite number in (0, 86400]"),
     (["watch", "{run}", "--idle", "-1"], "argument --idle: must be a finite number >= 0"),
     (["demo", "--steps", "0"], "argument --steps: must be a whole number >= 1"),
+    (["demo", "--jobs", "0"], "argument --jobs: must be a whole number >= 1"),
 ])
 def test_reading_flags_are_checked_by_the_parser(run: Path, argv: list[str], words: str) -> None:
     refused([a.format(run=run) for a in argv], words)
