@@ -3,6 +3,7 @@
     python sweeps/reproduce.py                      # print every table
     python sweeps/reproduce.py --write docs/reproduction.md
     python sweeps/reproduce.py --check docs/reproduction.md   # exit 1 if the document's tables differ
+    python sweeps/reproduce.py --write docs/reproduction.md --only table1.voting_math_scale  # that block only
     python sweeps/reproduce.py --figures docs/img/reproduction   # redraw the folders' figures, copy the doc's
 
 A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<!-- /table -->``;
@@ -37,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 #: The 0.3M sweeps behind the document's claim tables, in the order the document uses them.
 MAIN = ("voting_math_long", "voting_math_hot", "voting_math_cliff", "workflows_math", "workflows_code")
 #: Every sweep behind the document (the compute table, the per-sweep Table 1s, the figures).
-SWEEPS = (*MAIN, "voting_math_scale")
+SWEEPS = (*MAIN, "voting_math_scale", "voting_math_scale6")
 #: The coherence of independent agents of a 3-agent role, 1/√3.
 INDEPENDENT = 1 / np.sqrt(3)
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.@,-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -375,11 +376,16 @@ TABLES = {
 }
 
 
-def regenerate(text: str, folders: Folders, extra: dict | None = None) -> str:
-    """The document with every table block replaced (unknown names or sweeps: ValueError)."""
+def regenerate(text: str, folders: Folders, extra: dict | None = None, only: set[str] | None = None) -> str:
+    """The document with every table block replaced, or only the blocks named in ``only`` (unknown
+    names or sweeps: ValueError)."""
     tables = {**TABLES, **(extra or {})}
+    if only is not None and (absent := only - {m.group("name") for m in BLOCK.finditer(text)}):
+        raise ValueError(f"--only: no table block {sorted(absent)[0]!r} in the document")
 
     def replace(m: re.Match) -> str:
+        if only is not None and m.group("name") not in only:
+            return m.group(0)
         name, _, scope = m.group("name").partition("@")
         if name not in tables:
             raise ValueError(f"unknown table {name!r} in the document; known: {', '.join(tables)}")
@@ -401,6 +407,7 @@ FIGURES = {
     "delta_workflows_code.png": ("workflows_code", "delta.png"),
     "ipsp_voting_math_long.png": ("voting_math_long", "ipsp_voting_math_testbed-0.3M.png"),
     "ipsp_voting_math_scale.png": ("voting_math_scale", "ipsp_voting_math_testbed-1.5M.png"),
+    "ipsp_voting_math_scale6.png": ("voting_math_scale6", "ipsp_voting_math_testbed-6M.png"),
     "cliffs_voting_math_cliff.png": ("voting_math_cliff", "cliffs.png"),
     "ipsp_voting_math_cliff_balance.png": (
         "voting_math_cliff", "ipsp_voting_math_testbed-0.3M_kl_coef=0.0_coherence_reg=0.0_role_balance=update.png"),
@@ -432,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", type=Path, help="rewrite the tables of this document in place")
     mode.add_argument("--check", type=Path, help="exit 1 if this document's tables are not the regenerated ones")
+    parser.add_argument("--only", metavar="BLOCK", action="append", help="--write/--check only this table block (its "
+                        "name as in the document, e.g. claim1@voting_math_scale; repeatable): the others stay as they are")
     parser.add_argument("--figures", type=Path, help="also redraw the sweep folders' figures and copy the "
                         "document's (FIGURES) into this folder")
     args = parser.parse_args(argv)
@@ -441,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write or args.check:
         doc = args.write or args.check
         old = doc.read_text()
-        new = regenerate(old, folders)
+        new = regenerate(old, folders, only=set(args.only) if args.only else None)
         if args.write:
             doc.write_text(new)
             print(f"wrote {doc} ({len(BLOCK.findall(new))} tables)")

@@ -151,3 +151,15 @@ def test_a_bad_scope_is_an_error(reproduce, root, tmp_path, name, message):
     doc.write_text(f"<!-- table: {name} -->\n<!-- /table -->\n")
     with pytest.raises(ValueError, match=message):
         reproduce.main(["--root", str(root), "--write", str(doc)])
+
+
+def test_only_the_named_blocks_are_rewritten(reproduce, root, tmp_path):
+    doc = tmp_path / "r.md"
+    doc.write_text("<!-- table: claim1@workflows_math -->\nold\n<!-- /table -->\n<!-- table: claims23 -->\nold\n<!-- /table -->\n")
+    assert reproduce.main(["--root", str(root), "--write", str(doc), "--only", "claim1@workflows_math"]) == 0
+    blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(doc.read_text())}
+    assert "| workflows_math |" in blocks["claim1@workflows_math"] and blocks["claims23"] == "old\n"
+    assert reproduce.main(["--root", str(root), "--check", str(doc), "--only", "claim1@workflows_math"]) == 0
+    assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 1
+    with pytest.raises(ValueError, match="no table block 'claim4'"):
+        reproduce.main(["--root", str(root), "--write", str(doc), "--only", "claim4"])

@@ -44,7 +44,8 @@ from gradscope.trainers.testbed.warmstart import WarmStartConfig, train_warm_sta
 BUILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2",
              "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 #: Build time of the default config (700 steps, 0.3M parameters) on one idle core, for the message a
-#: first run prints; larger scales take about this times their parameter count over 0.3M (fewer at 6M).
+#: first run prints (scaled by the step count only: the larger scales' steps cost more, 1.5M's about 5x;
+#: the progress bar's ETA is the better guide there).
 EXPECTED_SECONDS = 100
 PINNED = Path(__file__).with_name("pinned.json")
 
