@@ -14,7 +14,7 @@ TINY = WarmStartConfig(skill_steps=6, role_steps=6, batch_size=8, hidden=32, lay
 
 
 def test_pinned_scales_and_runs_record_their_build(tmp_path, monkeypatch):
-    """The pins exist (0.3M and 1.5M); a run file records its warm start's digest and whether it is the
+    """Every scale is pinned, and nothing else is (a pin of a config no scale has is stale); a run file records its warm start's digest and whether it is the
     pinned build. Whether this machine builds the pinned bytes depends on its CPU (``cache verify``)."""
     from gradscope.runfile import open_run
     from gradscope.trainers.config import TrainConfig
@@ -22,7 +22,9 @@ def test_pinned_scales_and_runs_record_their_build(tmp_path, monkeypatch):
     from gradscope.trainers.testbed.scales import SCALES
     from gradscope.trainers.train import Trainer
 
-    assert all(cache.pinned_digest(SCALES[s]) is not None for s in ("0.3M", "1.5M"))
+    pins = json.loads(cache.PINNED.read_text())
+    assert sorted(pin["scale"] for pin in pins.values()) == sorted(SCALES)
+    assert all(key == cache.config_id(SCALES[pin["scale"]]) for key, pin in pins.items())
     digest = cache.weights_digest(cache.warm_started_model().state_dict())
     status = "pinned" if digest == cache.pinned_digest(WarmStartConfig()) else "differs from the pin"
     cfg = TrainConfig(steps=1, tasks_per_step=1, n_held_out=2, n_train=4, eval_every=0, checkpoint_every=0,
