@@ -444,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figures", type=Path, help="also redraw the sweep folders' figures and copy the "
                         "document's (FIGURES) into this folder")
     args = parser.parse_args(argv)
+    if args.only and not (args.write or args.check):
+        parser.error("--only needs --write or --check")
     folders = Folders(args.root)
     if args.figures:
         copy_figures(args.root, args.figures)

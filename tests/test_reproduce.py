@@ -163,3 +163,9 @@ def test_only_the_named_blocks_are_rewritten(reproduce, root, tmp_path):
     assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 1
     with pytest.raises(ValueError, match="no table block 'claim4'"):
         reproduce.main(["--root", str(root), "--write", str(doc), "--only", "claim4"])
+
+
+def test_only_needs_write_or_check(reproduce, root):
+    with pytest.raises(SystemExit) as exit_:
+        reproduce.main(["--root", str(root), "--only", "claim1"])
+    assert exit_.value.code == 2

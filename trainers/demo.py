@@ -18,7 +18,7 @@ import numpy as np
 
 from gradscope.errors import GradscopeError
 from gradscope.runfile import open_run
-from gradscope.trainers.sweep.grid import Cell
+from gradscope.trainers.sweep.grid import Cell, cell_config
 from gradscope.trainers.sweep.runs import FRESH
 from gradscope.trainers.sweep.scheduler import run_cells, write_manifest
 from gradscope.trainers.testbed import cache
@@ -58,8 +58,7 @@ def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0, jobs: int 
     write_manifest(out_dir, cells, Path("gradscope demo"))
     for cell in cells:  # every demo starts its runs afresh: their logs too
         (out_dir / "logs" / f"{cell.name}.log").unlink(missing_ok=True)
-    outcome = run_cells([(c, int(c.argv[c.argv.index("--steps") + 1]), FRESH, 0) for c in cells], out_dir, jobs,
-                        poll=1.0)
+    outcome = run_cells([(c, cell_config(c).steps, FRESH, 0) for c in cells], out_dir, jobs, poll=1.0)
     if outcome.failed:
         name, log = next(iter(outcome.failed.items()))
         raise GradscopeError(f"demo run {name!r} failed; its output is in {log}")
