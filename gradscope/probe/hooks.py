@@ -188,6 +188,11 @@ class _Forward:
         self.by_agent = {k: (agents == k).nonzero().squeeze(1) for k in present if k >= 0}
         self.unowned = (agents < 0).nonzero().squeeze(1) if -1 in present and len(present) > 1 else None
 
+    def release(self) -> None:
+        """Let go of the calls' inputs and graph edges (see :meth:`HooksMethod._prune`)."""
+        for piece in self.pieces:
+            piece.inputs = piece.edge = None
+
 
 @dataclass(eq=False)
 class _Piece:
@@ -254,6 +259,7 @@ class HooksMethod(GramMethod):
         self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
         self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients, this step
         self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
+        self._scratches: dict[tuple, torch.Tensor] = {}
         self._grad0: list[torch.Tensor | None] = []
         self._magnitude: dict[int, torch.Tensor] = {}  # param index → magnitude S (float64 scalar)
         self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
@@ -274,7 +280,7 @@ class HooksMethod(GramMethod):
             return
         if self._tag is None:
             self._new_forward = True
-            self._forwards = [f for f in self._forwards if not f.consumed]
+            self._prune(lambda f: not f.consumed)
             return
         agents, batch_dim, offset = self._tag
         first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
@@ -319,7 +325,7 @@ class HooksMethod(GramMethod):
         called without the model go to one forward holding all B rows."""
         if self._tag is not None:
             raise ProbeError("s.rows(...) blocks cannot nest")
-        self._forwards = [f for f in self._forwards if not f.consumed]
+        self._prune(lambda f: not f.consumed)
         self._tag = (agents, batch_dim, 0)
         self._tagged = _Forward(tag=agents, batch_dim=batch_dim)  # replaced at the first model call
         try:
@@ -346,7 +352,7 @@ class HooksMethod(GramMethod):
         """A hooked call's output gradient ``grad``; for a :class:`fused.HookedLinear` call (``fused``), the weight
         and bias gradients when the per-row products give them (None where autograd must compute them)."""
         forward, x = piece.forward, piece.inputs
-        forward.consumed, piece.inputs = True, None
+        forward.consumed, piece.inputs, piece.edge = True, None, None  # (the edge: see _prune)
         if not self._in_call:  # an unprobed backward, or one of a split fallback's or of the check's
             self._aux = self._aux or not self._own
             return None
@@ -437,7 +443,7 @@ class HooksMethod(GramMethod):
             self._dense_of(layer.weight)[fwd.single] += dW
             dW_size = torch.linalg.vector_norm(dW)
         elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
-            P = torch.bmm(G.transpose(1, 2), A)                       # (rows, d_out, d_in)
+            P = torch.bmm(G.transpose(1, 2), A, out=self._scratch(fwd.rows, d_out, d_in, A))  # (rows, d_out, d_in)
             self._add_by_row(layer.weight, P, fwd)
             dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1).sum()
         else:
@@ -508,6 +514,12 @@ class HooksMethod(GramMethod):
         store.scatter(layer.weight, agents[:, None].expand_as(coords).reshape(-1), coords.reshape(-1),
                       G.reshape(-1))
 
+    def _scratch(self, rows: int, d_out: int, d_in: int, like: torch.Tensor) -> torch.Tensor:
+        key = (rows, d_out, d_in, like.dtype, like.device)
+        if key not in self._scratches:
+            self._scratches[key] = torch.empty(rows, d_out, d_in, dtype=like.dtype, device=like.device)
+        return self._scratches[key]
+
     def _dense_of(self, i: int) -> torch.Tensor:
         if i not in self._dense:  # reuse the buffer of an earlier step: no allocation per step
             buffer = self._buffers.get(i)
@@ -573,7 +585,7 @@ class HooksMethod(GramMethod):
             backward_per_agent(self.params, terms, retain_graph, sink)
         finally:
             self._own, self._aux = False, False
-            self._forwards = [f for f in self._forwards if f is self._tagged]
+            self._prune(lambda f: f is self._tagged)
 
     def _add_agent_grad(self, i: int, agent: int, grad: torch.Tensor) -> None:
         self._dense_of(i)[agent].add_(grad)
@@ -608,13 +620,13 @@ class HooksMethod(GramMethod):
                 "Tag the forward with s.rows(agent_of_row, batch_dim=d), or let the self-check find it "
                 "(per-row or per-token losses, check_every not None)")
         self._unverified += ambiguous
-        calls = [(p, p.inputs) for f in live for p in f.pieces if p.inputs is not None] if checking else []
+        calls = [(p, p.inputs, p.edge) for f in live for p in f.pieces if p.inputs is not None] if checking else []
         self._in_call, self._missed, self._reentrant = True, False, False
         try:
             torch.autograd.backward(loss.sum(), retain_graph=retain_graph or checking)
         finally:
             self._in_call, self._norms, self._aux = False, {}, False
-            self._forwards = [f for f in self._forwards if f is self._tagged]
+            self._prune(lambda f: f is self._tagged)
         if self._reentrant:
             raise ProbeError("hooks: the backward went through layers recomputed by reentrant gradient checkpointing "
                              "(use_reentrant=True), which hooks cannot attribute; use use_reentrant=False "
@@ -672,19 +684,19 @@ class HooksMethod(GramMethod):
             f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
         return live
 
-    def _check_call(self, calls: list[tuple[_Piece, torch.Tensor]], terms: Terms, loss: torch.Tensor,
+    def _check_call(self, calls: list[tuple[_Piece, torch.Tensor, GradientEdge]], terms: Terms, loss: torch.Tensor,
                     retain_graph: bool) -> None:
         """The self-check's side of one call: agent k's gradient is ``Σ_calls G_kᵀ A`` over all rows, G_k the
         gradient of k's terms alone at each hooked call's output (``autograd.grad``, ``.grad`` untouched).
 
-        ``calls``: the call's hooked layer calls and their inputs. Under ``grad_reduced`` every agent is
+        ``calls``: the call's hooked layer calls, their inputs and output edges. Under ``grad_reduced`` every agent is
         differentiated, absent ones as a zero term, so that every rank runs the same backward passes.
         """
         todo = [(k, t) for k, t in terms if t.requires_grad]
         if self.grad_reduced:
             have = {k for k, _ in todo}
             todo += [(k, loss.sum() * 0) for k in range(self.n_agents) if k not in have]
-        edges = [piece.edge for piece, _ in calls]
+        edges = [edge for _, _, edge in calls]
         for j, (k, term) in enumerate(todo):
             self._own = True  # (this backward goes through the hooked calls too: not the user's)
             try:
@@ -695,7 +707,7 @@ class HooksMethod(GramMethod):
             whole = _Forward()  # every row agent k's: no row tag involved
             with torch.no_grad():
                 whole.attach(torch.tensor([k], device=term.device))
-                for (piece, x), G in zip(calls, grads):
+                for (piece, x, _), G in zip(calls, grads):
                     if G is None:
                         continue
                     if piece.layer.embedding:
@@ -703,6 +715,19 @@ class HooksMethod(GramMethod):
                     else:
                         self._linear_to_store(piece.layer, whole, x.reshape(1, -1, x.shape[-1]).to(self.dtype),
                                               G.reshape(1, -1, G.shape[-1]).to(self.dtype), self._check)
+
+    def _prune(self, keep: Callable[[_Forward], bool]) -> None:
+        """Keep the forwards ``keep`` accepts; the others release their calls. A call's edge holds its autograd
+        node, and the node holds the call (its ``on_grad``, or the tensor hook on its output): a cycle through
+        C++ that Python's garbage collector cannot see, which kept every step's graph alive (+60 MB of
+        resident memory a step on the LoRA LM of benchmarks/bench_peers.py) until released."""
+        kept = []
+        for f in self._forwards:
+            if keep(f):
+                kept.append(f)
+            else:
+                f.release()
+        self._forwards = kept
 
     def _warn(self, message: str) -> None:
         if message not in self.warnings:
@@ -862,6 +887,7 @@ class HooksMethod(GramMethod):
             layers[name].batch_dim = dim
 
     def close(self) -> None:
+        self._prune(lambda f: False)
         for handle in self._handles:
             handle.remove()
         for installed in self._installed:
