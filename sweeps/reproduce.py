@@ -11,7 +11,9 @@ A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<
 ``--root`` (default ``sweeps/out``, where ``gradscope sweep sweeps/NAME.yaml`` writes
 ``sweeps/out/NAME``). A table whose folders are missing says so instead of failing. ``NAME@A,B`` computes table ``NAME`` over
 the sweeps ``A`` and ``B`` only (the scales section: ``claim1@voting_math_scale``); a plain ``NAME`` over
-its default sweeps (:data:`MAIN`, the 0.3M sweeps; ``compute``: :data:`SWEEPS`).
+its default sweeps (:data:`MAIN`, the 0.3M sweeps; ``compute``: :data:`SWEEPS`). A sweep named ``BUILD/NAME``
+is the folder ``root/BUILD/NAME``: sweep NAME run from another build of the warm start (another machine's),
+kept beside the pinned build's (``table1.BUILD/NAME``, ``claim1@BUILD/A,BUILD/B``, ``mitigations@BUILD/voting_math_cliff``).
 """
 from __future__ import annotations
 
@@ -41,7 +43,13 @@ MAIN = ("voting_math_long", "voting_math_hot", "voting_math_cliff", "workflows_m
 SWEEPS = (*MAIN, "voting_math_scale", "voting_math_scale6")
 #: The coherence of independent agents of a 3-agent role, 1/√3.
 INDEPENDENT = 1 / np.sqrt(3)
-BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.@,-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.@,/-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def sweep_of(name: str) -> str | None:
+    """The sweep (one of :data:`SWEEPS`) of a folder name ``NAME`` or ``BUILD/NAME``; None if it names none."""
+    build, _, sweep = name.rpartition("/")
+    return sweep if sweep in SWEEPS and (not build or re.fullmatch(r"[\w.-]+", build)) else None
 
 
 class Folders:
@@ -147,7 +155,9 @@ def compute(folders: Folders, names: tuple[str, ...] = SWEEPS) -> str:
                 total_cpu += cpu
         steps = sum(int(s.steps[-1]) if len(s.steps) else 0 for s in runs)
         gone = ", ".join(f"{cell} ({step} steps)" for cell, _, step in killed) or "–"
-        rows.append([f"`sweeps/{name}.yaml`", len(runs), steps, gone, f"{hours:.2f}",
+        build = name.rpartition("/")[0]
+        rows.append([f"`sweeps/{sweep_of(name)}.yaml`" + (f" ({build})" if build else ""), len(runs), steps, gone,
+                     f"{hours:.2f}",
                      "–" if cpu is None else f"{cpu:.2f}"])
     rows.append(["total", sum(r[1] for r in rows), sum(r[2] for r in rows), "", f"{total_hours:.2f}",
                  f"{total_cpu:.2f}"])
@@ -348,10 +358,13 @@ def leads(folders: Folders, names: tuple[str, ...] = MAIN) -> str:
                                "median lead (steps)"], sig)
 
 
-def mitigations(folders: Folders) -> str:
-    runs = folders.runs("voting_math_cliff")
+def mitigations(folders: Folders, names: tuple[str, ...] = ("voting_math_cliff",)) -> str:
+    """Each mitigation against none, per policy, over the one sweep that A/B-tests them (voting_math_cliff)."""
+    if len(names) != 1 or sweep_of(names[0]) != "voting_math_cliff":
+        raise ValueError(f"mitigations is a table of voting_math_cliff (or BUILD/voting_math_cliff), not {','.join(names)}")
+    runs = folders.runs(names[0])
     if not runs:
-        return _missing(["voting_math_cliff"], folders)
+        return _missing(names, folders)
     groups: dict[tuple, list[RunSeries]] = {}
     for s in runs:
         groups.setdefault((data.policy_of(s), _variant(s)), []).append(s)
@@ -387,14 +400,17 @@ def regenerate(text: str, folders: Folders, extra: dict | None = None, only: set
         if only is not None and m.group("name") not in only:
             return m.group(0)
         name, _, scope = m.group("name").partition("@")
+        if name.startswith("table1.") and name not in tables and sweep_of(name.removeprefix("table1.")):
+            tables[name] = table1(name.removeprefix("table1."))  # another build's folder
         if name not in tables:
             raise ValueError(f"unknown table {name!r} in the document; known: {', '.join(tables)}")
         if not scope:
             return m.group(1) + tables[name](folders) + m.group(4)
         names = tuple(scope.split(","))
-        if unknown := [n for n in names if n not in SWEEPS]:
-            raise ValueError(f"unknown sweep {unknown[0]!r} in table {m.group('name')!r}; known: {', '.join(SWEEPS)}")
-        if name.startswith("table1.") or name == "mitigations":
+        if unknown := [n for n in names if sweep_of(n) is None]:
+            raise ValueError(f"unknown sweep {unknown[0]!r} in table {m.group('name')!r}; known: {', '.join(SWEEPS)}"
+                             " (or BUILD/NAME)")
+        if name.startswith("table1."):
             raise ValueError(f"table {name!r} has no sweeps to choose (in {m.group('name')!r})")
         return m.group(1) + tables[name](folders, names) + m.group(4)
 

@@ -145,12 +145,32 @@ def test_a_table_can_be_scoped_to_some_sweeps(reproduce, root, tmp_path):
 
 
 @pytest.mark.parametrize("name, message", [("claim1@nope", "unknown sweep 'nope'"),
-                                           ("mitigations@workflows_math", "has no sweeps to choose")])
+                                           ("table1.voting_math_long@workflows_math", "has no sweeps to choose"),
+                                           ("mitigations@workflows_math", "a table of voting_math_cliff"),
+                                           ("claim1@a/b/workflows_math", "unknown sweep 'a/b/workflows_math'")])
 def test_a_bad_scope_is_an_error(reproduce, root, tmp_path, name, message):
     doc = tmp_path / "r.md"
     doc.write_text(f"<!-- table: {name} -->\n<!-- /table -->\n")
     with pytest.raises(ValueError, match=message):
         reproduce.main(["--root", str(root), "--write", str(doc)])
+
+
+def test_another_builds_folders_sit_beside_the_pinned_ones(reproduce, root, tmp_path):
+    """BUILD/NAME is sweep NAME's folder under root/BUILD: its own tables, beside (not mixed into) the others."""
+    sweep_folder(root / "epyc", "workflows_math", {f"evalopt_ip_seed{s}": dict(policy="ip", seed=s, workflow="evalopt")
+                                                   for s in range(3)})
+    doc = tmp_path / "r.md"
+    doc.write_text("<!-- table: table1.epyc/workflows_math -->\n<!-- /table -->\n"
+                   "<!-- table: claim1@epyc/workflows_math -->\n<!-- /table -->\n"
+                   "<!-- table: compute@epyc/workflows_math,workflows_math -->\n<!-- /table -->\n"
+                   "<!-- table: table1.workflows_math -->\n<!-- /table -->\n")
+    assert reproduce.main(["--root", str(root), "--write", str(doc)]) == 0
+    blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(doc.read_text())}
+    assert "| IP | 3 |" in blocks["table1.epyc/workflows_math"] and "SP" not in blocks["table1.epyc/workflows_math"]
+    assert "| IP | 2 |" in blocks["table1.workflows_math"] and "| SP | 2 |" in blocks["table1.workflows_math"]
+    assert "| epyc/workflows_math |" in blocks["claim1@epyc/workflows_math"]
+    compute = blocks["compute@epyc/workflows_math,workflows_math"]
+    assert "| `sweeps/workflows_math.yaml` (epyc) | 3 |" in compute and "| total | 7 |" in compute
 
 
 def test_only_the_named_blocks_are_rewritten(reproduce, root, tmp_path):
