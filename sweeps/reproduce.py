@@ -9,7 +9,8 @@
 A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<!-- /table -->``;
 ``--write`` replaces each block's content with the table regenerated from the folders under
 ``--root`` (default ``sweeps/out``, where ``gradscope sweep sweeps/NAME.yaml`` writes
-``sweeps/out/NAME``). A table whose folders are missing says so instead of failing. ``NAME@A,B`` computes table ``NAME`` over
+``sweeps/out/NAME``); a folder missing there is read from ``sweeps/results`` (:data:`ARCHIVE`), where the
+repository keeps sweep folders small enough to commit. A table whose folders are missing says so instead of failing. ``NAME@A,B`` computes table ``NAME`` over
 the sweeps ``A`` and ``B`` only (the scales section: ``claim1@voting_math_scale``); a plain ``NAME`` over
 its default sweeps (:data:`MAIN`, the 0.3M sweeps; ``compute``: :data:`SWEEPS`). A sweep named ``BUILD/NAME``
 is the folder ``root/BUILD/NAME``: sweep NAME run from another build of the warm start (another machine's),
@@ -41,6 +42,9 @@ HERE = Path(__file__).resolve().parent
 MAIN = ("voting_math_long", "voting_math_hot", "voting_math_cliff", "workflows_math", "workflows_code")
 #: Every sweep behind the document (the compute table, the per-sweep Table 1s, the figures).
 SWEEPS = (*MAIN, "voting_math_scale", "voting_math_scale6")
+#: Sweep folders kept in the repository (run files and manifest only, see sweeps/results/README.md): read where
+#: ``--root`` lacks the folder.
+ARCHIVE = HERE / "results"
 #: The coherence of independent agents of a 3-agent role, 1/√3.
 INDEPENDENT = 1 / np.sqrt(3)
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.@,/-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -53,14 +57,20 @@ def sweep_of(name: str) -> str | None:
 
 
 class Folders:
-    """The runs of the sweep folders under ``root`` (loaded once)."""
+    """The runs of the sweep folders under ``root``, or else under ``archive`` (loaded once)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, archive: Path | None = ARCHIVE) -> None:
+        self.root, self.archive = root, archive
+
+    def folder(self, name: str) -> Path:
+        """``root/name``, else ``archive/name`` where only that exists."""
+        if not (self.root / name).is_dir() and self.archive is not None and (self.archive / name).is_dir():
+            return self.archive / name
+        return self.root / name
 
     @lru_cache(maxsize=None)
     def runs(self, name: str) -> tuple[RunSeries, ...]:
-        folder = self.root / name
+        folder = self.folder(name)
         if not folder.is_dir():
             return ()
         return tuple(data.load(p)[0] for p in folder_runs(folder))
@@ -73,7 +83,7 @@ class Folders:
     def unfinished(self, name: str) -> tuple[tuple[str, RunSeries, int], ...]:
         """(cell, run, last training step) of the runs of a folder that did not finish (killed, or closed
         by a SIGTERM before their last step)."""
-        folder = self.root / name
+        folder = self.folder(name)
         if not folder.is_dir():
             return ()
         done = set(folder_runs(folder))
@@ -146,7 +156,7 @@ def compute(folders: Folders, names: tuple[str, ...] = SWEEPS) -> str:
         killed = folders.unfinished(name)
         hours = sum(_step_seconds(s) for s in (*runs, *(s for _, s, _ in killed))) / 3600
         total_hours += hours
-        log = folders.root / f"{name}.log"
+        log = folders.folder(name).with_name(f"{Path(name).name}.log")
         cpu = None
         if log.is_file():
             found = re.findall(r"cpu ([\d.]+) ([\d.]+) wall ([\d.]+)", log.read_text(errors="replace"))
@@ -451,7 +461,8 @@ def copy_figures(root: Path, dest: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=HERE / "out", help="folder of the sweep folders")
+    parser.add_argument("--root", type=Path, default=HERE / "out", help="folder of the sweep folders (a folder it "
+                        "lacks is read from sweeps/results, where the repository keeps some)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", type=Path, help="rewrite the tables of this document in place")
     mode.add_argument("--check", type=Path, help="exit 1 if this document's tables are not the regenerated ones")

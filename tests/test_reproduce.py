@@ -189,3 +189,15 @@ def test_only_needs_write_or_check(reproduce, root):
     with pytest.raises(SystemExit) as exit_:
         reproduce.main(["--root", str(root), "--only", "claim1"])
     assert exit_.value.code == 2
+
+
+def test_a_folder_missing_under_root_is_read_from_the_archive(reproduce, root, tmp_path):
+    archive = tmp_path / "results"
+    sweep_folder(archive / "epyc", "voting_math_hot", {f"ip_seed{s}": dict(policy="ip", seed=s) for s in range(2)})
+    folders = reproduce.Folders(root, archive)
+    assert folders.folder("epyc/voting_math_hot") == archive / "epyc" / "voting_math_hot"
+    assert len(folders.runs("epyc/voting_math_hot")) == 2
+    assert folders.folder("voting_math_long") == root / "voting_math_long"  # root first
+    assert "| `sweeps/voting_math_hot.yaml` (epyc) | 2 | 80 | – | 0.00 | 1.10 |" in reproduce.compute(
+        folders, ("epyc/voting_math_hot",))
+    assert reproduce.Folders(root, None).runs("epyc/voting_math_hot") == ()
