@@ -15,11 +15,14 @@ and every row must belong to one agent. Agent k's part of a Linear layer's gradi
 forward since the previous backward, taken from the loss's rows. Each layer call is matched to its
 forward's B rows by shape: the dimension of the layer input of size B (``batch_dim`` when given);
 when several dimensions have size B (a sequence-first input with T == B) the first is used and the
-self-check verifies it (below); when none has, the call falls back to split, naming the layer.
+self-check verifies it (below) — in a call no check measures, unless an earlier check confirmed the
+layer's dimension, the call falls back to split; when none has, the call falls back to split too,
+naming the layer.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
-**Self-check.** On the first probed step that has per-row or per-token losses (and every
-``check_every`` probed steps if asked), each agent's gradient is also computed as split would, with
+**Self-check.** On the first probed step with a call that hooks attributes from per-row or per-token
+losses (and every ``check_every`` probed steps after, if asked; a step without such a call leaves the
+check for the next), each agent's gradient is also computed as split would, with
 no row tags: the agent's loss terms alone are differentiated (``autograd.grad``, ``.grad`` untouched)
 at the outputs of the call's hooked layer calls, and ``Σ_calls G_kᵀ A`` over all rows is agent k's
 gradient. The Grams are compared: a mismatch raises (``method="hooks"``) or, under ``auto``, the
@@ -271,6 +274,7 @@ class HooksMethod(GramMethod):
         self._check: Store | None = None      # split's per-agent gradients of a step being checked
         self._checkable = True
         self._unverified: list[_Piece] = []   # calls whose batch dimension the check must confirm
+        self._checked_calls = 0               # this step's hooks-attributed calls the check also measured
         self.warnings: list[str] = []         # of the step that just ended
         self.record = "hooks"                 # of the step that just ended (a PROBE_METHODS name)
 
@@ -602,6 +606,14 @@ class HooksMethod(GramMethod):
             if self.failed_check:
                 raise _Fallback("check-failed", "hooks failed its self-check earlier")
             live = self._match(live, row_agents, loss)
+            checking = self._check is not None and terms is not None
+            ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
+            if ambiguous and not checking:  # no check in this call to tell which dimension is the batch one
+                p = ambiguous[0]
+                raise _Fallback("unmatched-rows", f"layer {p.layer.name!r}: its input has several dimensions of size "
+                                f"B = {p.forward.rows} (a sequence-first input with T == B?) and no self-check runs "
+                                "in this call to tell which is the batch one; tag the forward with "
+                                "s.rows(agent_of_row, batch_dim=d)")
         except _Fallback as fb:
             if terms is None:
                 raise ProbeError(f"hooks cannot attribute this loss: {fb}; and split cannot split a scalar loss. "
@@ -611,18 +623,10 @@ class HooksMethod(GramMethod):
             for f in live:
                 f.agents = None
             return self._split(terms(), retain_graph, fb.reason, str(fb))
-        checking = self._check is not None and terms is not None
         if self._check is not None and terms is None:
             self._checkable = False  # a scalar loss cannot be split: the check waits for a later step
-        ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
-        if ambiguous and not checking:
-            layer = ambiguous[0].layer
-            raise ProbeError(
-                f"hooks: cannot tell the batch dimension of layer {layer.name!r}: its input has several "
-                f"dimensions of size B = {ambiguous[0].forward.rows} (a sequence-first input with T == B?). "
-                "Tag the forward with s.rows(agent_of_row, batch_dim=d), or let the self-check find it "
-                "(per-row or per-token losses, check_every not None)")
         self._unverified += ambiguous
+        self._checked_calls += checking
         calls = [(p, p.inputs, p.edge) for f in live for p in f.pieces if p.inputs is not None] if checking else []
         self._in_call, self._missed, self._reentrant = True, False, False
         try:
@@ -762,7 +766,7 @@ class HooksMethod(GramMethod):
             if self.store is not None:
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
-            checked = self._check is not None and self._checkable
+            checked = self._check is not None and self._checkable and self._checked_calls > 0
             unowned = self._unowned_grad
             self._reset()
         if bad:
@@ -794,7 +798,7 @@ class HooksMethod(GramMethod):
         """Compare this step's hooks Grams with the check's; a message naming what differs, or None."""
         if self._check is None:
             return None
-        if not self._checkable:
+        if not self._checkable or not self._checked_calls:  # no hooks call to check: the check waits
             return None
         tol, eps = add_up_tolerance(self._grad_dtype())
         split = self._check.local_grams()
@@ -901,7 +905,7 @@ class HooksMethod(GramMethod):
         self._dense, self._grad0, self._magnitude = {}, [], {}
         self._in_call, self._aux = False, False
         self._unowned_grad = None
-        self._check, self._checkable, self._unverified = None, True, []
+        self._check, self._checkable, self._unverified, self._checked_calls = None, True, [], 0
         for layer in self.layers:
             layer.rows, layer.n_rows = [], 0
 

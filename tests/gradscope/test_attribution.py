@@ -63,8 +63,48 @@ def test_seq_first_with_t_equal_b_is_caught_by_the_self_check():
     assert any("linear" in w and "batch_dim" in w for w in auto.warnings)
     with pytest.raises(ProbeError, match=r"layer 'linear[12]'.*batch_dim"):
         probed_step(layer, params, forward, agent_ids, method="hooks")
-    with pytest.raises(ProbeError, match="cannot tell the batch dimension of layer 'linear1'"):
-        probed_step(layer, params, forward, agent_ids, method="hooks", check_every=None)
+
+
+@pytest.mark.parametrize("method", ["hooks", "auto"])
+def test_seq_first_with_t_equal_b_and_no_check_falls_back_to_split(method):
+    """T == B on a step no self-check measures: hooks cannot tell the batch dimension, so the call goes
+    through split (right Gram), and the record and the warning name the layer and batch_dim."""
+    layer, params, forward, agent_ids, expected = seq_first_case(T=4)
+    with pytest.warns(RuntimeWarning, match="layer 'linear1'.*several dimensions of size B = 4"):
+        result = probed_step(layer, params, forward, agent_ids, method=method, check_every=None)
+    assert result.method == "split-fallback:unmatched-rows"
+    assert any("batch_dim" in w for w in result.warnings)
+    assert rel_err(result.gram, expected) < 1e-10
+
+
+def test_t_equal_b_after_the_first_check_falls_back_to_split():
+    """The default check (the first step) ran with T != B, so it confirmed no dimension: a later step with
+    T == B (varying sequence lengths) is not a crash but a split call with the right Gram; a step with
+    T != B again is hooks."""
+    layer, params, _, _, _ = seq_first_case(T=5)
+    probe = Probe(layer, AGENTS, ROLES, params=params, method="hooks")
+    methods = []
+    try:
+        for step, T in enumerate((5, 4, 6)):
+            x = torch.randn(T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            adv = torch.tensor([1.0, -0.5, 0.8, 0.3], dtype=torch.float64)[:, None]
+            agent_ids = ROW_AGENT[:, None].expand(4, T)
+
+            def forward():
+                return adv * layer(x).square().sum(-1).T / 10  # (B, T)
+            loss = forward()
+            expected = brute_force_gram({a: loss[agent_ids == k].sum() for k, a in enumerate(AGENTS)},
+                                        [p for _, p in params])
+            layer.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with probe.step(step) as s:
+                    s.backward_tokens(forward(), agent_ids)
+            methods.append(s.result.method)
+            assert rel_err(s.result.gram, expected) < 1e-10
+    finally:
+        probe.close()
+    assert methods == ["hooks+check", "split-fallback:unmatched-rows", "hooks"]
 
 
 @pytest.mark.parametrize("T,tag", [(4, 1), (5, None), (5, 1)])
@@ -225,29 +265,38 @@ class _no_warning:
 
 def test_check_schedule():
     """check_every: 0 → the first checkable step only; 2 → every second probed step; None → never. A step
-    with only a scalar loss cannot be checked: the check waits for the next one."""
+    with only a scalar loss cannot be checked, and one with only per-agent losses (split) or no call
+    has nothing hooks attributed to check: the check waits for the next step."""
     model = lora_model("sp", torch.float32)
     case = LMCase(model, "sp")
     call = case.call(list(range(8)))
 
-    def methods(check_every, scalar_first=False):
+    def methods(check_every, first="tokens"):
         probe = Probe(model, AGENTS, ROLES, check_every=check_every)
         out = []
         for step in range(4):
             model.zero_grad(set_to_none=True)
-            with probe.step(step) as s:
-                loss, ids = call(s)
-                if scalar_first and step == 0:
-                    s.backward_rows(loss.sum(), ids.max(1).values)
-                else:
-                    s.backward_tokens(loss, ids)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # (per-agent losses: the fallback's warning)
+                with probe.step(step) as s:
+                    loss, ids = call(s)
+                    if step == 0 and first == "none":
+                        pass  # a forward, no backward
+                    elif step == 0 and first == "scalar":
+                        s.backward_rows(loss.sum(), ids.max(1).values)
+                    elif step == 0 and first == "per-agent":
+                        s.backward({a: loss[ids == k].sum() for k, a in enumerate(AGENTS)})
+                    else:
+                        s.backward_tokens(loss, ids)
             out.append(s.result.method)
         probe.close()
         return out
     assert methods(0) == ["hooks+check", "hooks", "hooks", "hooks"]
     assert methods(2) == ["hooks+check", "hooks", "hooks+check", "hooks"]
     assert methods(None) == ["hooks"] * 4
-    assert methods(0, scalar_first=True) == ["hooks", "hooks+check", "hooks", "hooks"]
+    assert methods(0, first="scalar") == ["hooks", "hooks+check", "hooks", "hooks"]
+    assert methods(0, first="per-agent") == ["split-fallback:per-agent-losses", "hooks+check", "hooks", "hooks"]
+    assert methods(0, first="none") == ["hooks", "hooks+check", "hooks", "hooks"]
 
 
 def test_probe_state_continues_the_check_schedule_and_its_outcome():
