@@ -63,6 +63,10 @@ def write(tmp_path: Path, text: str, name: str = "sweep.yaml") -> Path:
     ("grid:\n  variant:\n    kl: {kl_coef: x=}\n", ":3:19:", "bad per-role value"),
     ("grid:\n  variant:\n    a: {lr: 0.1}\n  lr: [0.2]\n", ":4:8:", "'lr' is both in the grid axis 'variant'"),
     ("grid:\n  variant:\n    a: {}\n    a: {lr: 1}\n", ":4:5:", "variant 'a' given twice"),
+    # the trainer's range checks, located at the setting they name, fixed or on an axis
+    ("train:\n  steps: 0\n", ":2:10:", "--steps must be a whole number >= 1, got 0"),
+    ("train:\n  steps: 0\ngrid:\n  seed: [0, 1]\n", ":2:10:", "--steps must be a whole number >= 1"),
+    ("train:\n  steps: 5\ngrid:\n  seed: [0, 1]\n  lr: [0.001, -1]\n", ":5:15:", "--lr must be a finite number"),
 ])
 def test_bad_sweep_files_exit_2_with_their_location(tmp_path, capsys, text, where, message):
     path = write(tmp_path, text)

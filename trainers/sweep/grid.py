@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import re
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,13 @@ class Cell:
     argv: list[str]                  # train flags, without --out / --overwrite / --resume
     settings: tuple[Setting, ...]    # the axis values with their locations
 
-    def where(self, message: str = "") -> str:
-        """The location of the axis value a message names (the longest value, or part of one, that it
-        quotes), else of the cell's first axis value."""
+    def where(self, message: str = "", fixed: Sequence[Setting] = ()) -> str:
+        """The location of the setting a message names: the axis value or ``fixed`` (``train:``) setting
+        whose flag (``--name``) it names, else the axis value it quotes (the longest value, or part of
+        one), else the cell's first axis value ("" when it has none)."""
+        for s in (*self.settings, *fixed):
+            if re.search(rf"--{re.escape(s.flag.replace('_', '-'))}(?![\w-])", message):
+                return s.where
         best, where = 0, self.settings[0].where if self.settings else ""
         for s in self.settings:
             values = s.value if isinstance(s.value, list) else [s.value]
@@ -115,7 +120,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
         settings = tuple(s for o in combo for s in o.settings)
         argv = [tok for s in settings for tok in to_argv(s)] + fixed
         cells.append(Cell(name, {a: o.value for a, o in zip(axes, combo)}, argv, settings))
-    _validate_cells(cells, parser, spec.path)
+    _validate_cells(cells, parser, spec.path, spec.train)
     return cells
 
 
@@ -127,8 +132,10 @@ def cell_config(cell: Cell, parser: argparse.ArgumentParser | None = None, out: 
     return dataclasses.replace(from_settings({k: v for k, v in args.items() if k in settings()}), out=str(out))
 
 
-def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser, path: Path) -> None:
-    """The trainer's checks (workflow, policy map, alert rules, task files, ...) on every cell."""
+def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser, path: Path,
+                    fixed: Sequence[Setting] = ()) -> None:
+    """The trainer's checks (workflow, policy map, alert rules, task files, ...) on every cell; an error is
+    located at the setting it names (an axis value or a ``fixed`` one), else at the cell's first axis value."""
     from gradscope.trainers.train import validate
 
     seen: dict[str, str] = {}
@@ -142,6 +149,6 @@ def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser, path: Pa
                 validate(cfg)
             except GradscopeError as exc:
                 axes = ", ".join(f"{k}={v}" for k, v in cell.axes.items())
-                where = cell.where(str(exc)) or str(path)
+                where = cell.where(str(exc), fixed) or str(path)
                 raise SweepError(f"{where}: cell {axes or cell.name}: {exc}") from None
             seen[key] = cell.name
