@@ -323,8 +323,9 @@ class VerlProbe:
         for agent, role in (p for part in pairs for p in part):
             if role_of.setdefault(agent, role) != role:
                 raise ConfigError(f"gradscope: agent {agent!r} has rows of two roles, {role_of[agent]!r} and {role!r}")
-        order = list(s.agents) or list(dict.fromkeys(a for part in pairs for a, _ in part))
-        missing = [a for a in role_of if a not in order]
+        seen = list(dict.fromkeys(a for part in pairs for a, _ in part))
+        order = list(s.agents) or seen
+        missing = [a for a in seen if a not in order]  # (an agent only in gradscope.roles has no rows: no matter)
         if missing:
             raise ConfigError(f"gradscope: rows of agents {missing} not listed in gradscope.agents {order}")
         roles_of = {a: role_of.get(a, a) for a in order}

@@ -79,8 +79,8 @@ class UpdateResult:
             when ``step`` is None).
         grad_scale: the fitted factor c between the probed gradient and the one the optimizer used
             (1 unclipped, < 1 clipped; NaN when ``step`` is None).
-        residual: ``‖Δθ_actual − Σ_a Δθ_a‖ / ‖Δθ_actual‖``, the split's own check (rounding: ~1e-7 in
-            fp32, ~1e-15 in fp64).
+        residual: ``‖Δθ_actual − Σ_a Δθ_a‖ / ‖Δθ_actual‖``, the split's own check (the parameters'
+            rounding, ≈ eps·‖θ‖/‖Δθ‖: ~1e-15 in fp64, ~5e-5 in fp32 at lr 1e-4).
         exact: False in sketch mode (inner products estimated from a coordinate sample).
     """
 

@@ -1,0 +1,51 @@
+"""The verl hook's agents and roles (``VerlProbe._build``) on a stand-in engine: no verl needed."""
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+import gradscope.integrations.verl as verl_hook
+from gradscope.errors import ConfigError
+from gradscope.integrations.verl import VerlProbe, VerlSettings
+
+
+class Engine:
+    """What ``VerlProbe`` touches of verl's engine before the first step: one process, a module."""
+
+    def __init__(self) -> None:
+        self.module = nn.Sequential(nn.Linear(3, 2))
+        self.scaler = None
+
+    def get_data_parallel_size(self) -> int:
+        return 1
+
+    def forward_backward_batch(self, *a, **k): ...
+    def forward_step(self, *a, **k): ...
+    def optimizer_step(self): ...
+
+
+def build(tmp_path, batch: dict, **settings) -> VerlProbe:
+    hook = VerlProbe(Engine(), VerlSettings(run=str(tmp_path / "run.h5"), **settings))
+    hook._build(batch)
+    return hook
+
+
+def test_roles_may_name_agents_the_first_update_lacks(tmp_path, monkeypatch):
+    """The roles of every agent given up front; the first update has no rows of voter2: the Gram's agents
+    are the update's, with the roles given (was: 'rows of agents [voter2] not listed')."""
+    monkeypatch.setattr(verl_hook, "_versions", lambda: {"verl": "stand-in"})  # (the run file's metadata)
+    roles = {"voter0": "voter", "voter1": "voter", "voter2": "voter", "aggregator": "aggregator"}
+    hook = build(tmp_path, {"agent_name": ["voter0", "voter1", "aggregator", "voter0"]}, roles=roles)
+    assert hook.probe.agents == ["voter0", "voter1", "aggregator"]
+    assert hook.probe.agent_roles == ["voter", "voter", "aggregator"]
+    hook.writer.close()
+
+
+def test_rows_of_an_agent_outside_the_listed_agents_are_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"rows of agents \['aggregator'\] not listed"):
+        build(tmp_path, {"agent_name": ["voter0", "aggregator"]}, agents=["voter0"])
+
+
+def test_a_role_disagreeing_with_the_batch_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="agent 'voter0' has rows of two roles"):
+        build(tmp_path, {"agent_name": ["voter0"], "role": ["voter"]}, roles={"voter0": "critic"})
