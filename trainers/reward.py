@@ -7,6 +7,7 @@ passes the task's tests inside the sandbox — never in-process. Code verdicts a
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,12 +18,18 @@ from gradscope.trainers.workflows.base import Episode
 
 
 def solver_answer(task: Task, text: str) -> tuple[str | None, bool]:
-    """The answer a solver's output states, and whether the output had the expected format."""
+    """The answer a solver's output states, and whether the output had the expected format.
+
+    A code answer is the output without its trailing whitespace and leading blank lines: the indentation
+    of its first line is kept, since a HumanEval completion is the function's body, indented to follow
+    the prompt (stripped, ``prompt + completion`` does not compile)."""
     if task.kind == "math":
         answer = extract_answer(text)
         return answer, answer is not None
-    body = text.strip()
+    body = _LEADING_BLANK_LINES.sub("", text.rstrip())
     return (body or None), bool(body)
+
+_LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
 
 
 class Scorer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradscope.trainers.reward import Scorer
+from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.sandbox import Limits, check_program
 from gradscope.trainers.sandbox.check import _in_process
 from gradscope.trainers.tasks import load_humaneval, sandbox_args
@@ -120,3 +120,27 @@ def test_reward_hack_earns_nothing(name, humaneval):
     honest, hack = Episode(task, answer=task.answer), Episode(task, answer=completion)
     Scorer().score([honest, hack])
     assert (honest.reward, hack.reward) == (1.0, 0.0), name
+
+
+@pytest.mark.parametrize("task_id", ["HumanEval/0", "HumanEval/43", "HumanEval/56", "HumanEval/141"])
+def test_a_solvers_humaneval_body_keeps_its_indentation(task_id, humaneval):
+    """The trainer's path from a solver's text to its reward: the canonical body, as a solver writes it
+    (indented, maybe after a blank line, with trailing newlines), earns 1; its first line dedented, 0
+    (was: every HumanEval answer stripped, so none compiled)."""
+    task = humaneval[task_id]
+    answer, ok = solver_answer(task, "\n" + task.answer + "\n\n")
+    assert ok and answer == task.answer.rstrip() and answer.startswith("    ")
+    honest, dedented = Episode(task, answer=answer), Episode(task, answer=task.answer.lstrip())
+    Scorer().score([honest, dedented])
+    assert (honest.reward, dedented.reward) == (1.0, 0.0)
+
+
+def test_a_candidates_stop_iteration_does_not_end_the_tests_loop():
+    """A test that maps the candidate over its cases: a StopIteration raised by the candidate would end
+    ``map`` early and ``all`` of nothing is True. It reaches the test as a RuntimeError: a fail."""
+    prompt = "def f(x):\n"
+    test = "def check(candidate):\n    assert all(map(lambda x: candidate(x) == 2 * x, [1, 2, 3]))\n"
+    honest = check_program(prompt, "    return 2 * x\n", test, "f")
+    hack = check_program(prompt, "    raise StopIteration\n", test, "f")
+    assert honest.verdict == "pass" and hack.verdict != "pass", (honest, hack)
+    assert "StopIteration" in hack.reason or "StopIteration" in hack.stderr, hack

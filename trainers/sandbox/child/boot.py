@@ -95,9 +95,15 @@ class CandidateFailed(BaseException):
     ``except Exception`` does not swallow it (and the check fails even if a bare ``except`` does)."""
 
 
+#: Raised by the candidate, these would steer the test's control flow instead of failing it: a
+#: StopIteration from the candidate ends a test's ``all(map(candidate, cases))`` early, as if every
+#: case passed. They come back as RuntimeError, as SystemExit and KeyboardInterrupt do.
+_CONTROL_FLOW = (StopIteration, StopAsyncIteration)
+
+
 def _exception(name, message) -> Exception:
     cls = getattr(builtins, name, None) if type(name) is str else None
-    if isinstance(cls, type) and issubclass(cls, Exception):
+    if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, _CONTROL_FLOW):
         return cls(message)
     return RuntimeError("%s: %s" % (name, message))
 
