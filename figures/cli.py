@@ -3,10 +3,10 @@
 Imported only by the command handlers in ``gradscope/cli.py`` (the parser never imports
 matplotlib). Bad input raises a GradscopeError, which the command line prints as one line with
 exit code 2: a missing or unreadable run file, an unknown format, a single-run figure given
-several runs, a figure that needs data the run lacks entirely (shares of an IP run or a run
-without gradient records, ip-vs-sp without evaluations or across workflows, updates of a run
-without update attribution). A *panel* of the
-cliffs figure whose data a run lacks is drawn and marked "no data" instead (docs/figures.md).
+several runs (or a sweep folder holding several), a figure that needs data the run lacks entirely
+(shares of an IP run or a run without gradient records, ip-vs-sp without evaluations or across
+workflows, updates of a run without update attribution). A *panel* of the cliffs figure whose data
+a run lacks is drawn and marked "no data" instead (docs/figures.md).
 """
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ def _load(paths: list[str]) -> list:
     return out
 
 
+def _one_run_in(folder: str, kind: str) -> None:
+    """A single-run figure given a sweep folder: refused unless the folder holds one finished run
+    (it would otherwise plot only the first of them)."""
+    from gradscope.figures.sweepdir import expand_paths
+
+    n = len(expand_paths([folder]))
+    if n > 1:
+        raise ConfigError(f"plot {kind} takes one run file, but folder {folder} holds {n} finished runs; "
+                          f"pass one run file (or use gradscope plot sweep {folder})")
+
+
 def _steps(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -51,8 +62,13 @@ def _steps(text: str | None) -> list[int] | None:
 
 
 def default_stem(first_run: str, kind: str) -> Path:
-    """Next to the first run file: ``<dir>/<run stem>_<kind>``."""
+    """Next to the first run file (or folder): ``<dir>/<run stem>_<kind>``; a folder named ``.`` or ``..``
+    by its absolute name."""
     p = Path(first_run)
+    if p.name in ("", ".."):
+        p = p.resolve()
+    if not p.name:
+        raise ConfigError(f"cannot name the figure after {first_run!r}: pass --out")
     return p.with_name(f"{p.stem}_{kind.replace('-', '_')}")
 
 
@@ -84,6 +100,8 @@ def plot_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"plot {kind} takes one run file, got {len(args.runs)}")
     if args.steps and kind != "alignment":
         raise ConfigError("--steps applies to plot alignment only")
+    if kind in SINGLE and Path(args.runs[0]).is_dir():
+        _one_run_in(args.runs[0], kind)
     series = _load(args.runs)
     fig = make_figure(kind, series, args)
     stem = Path(args.out) if args.out else default_stem(args.runs[0], kind)

@@ -93,6 +93,49 @@ def test_bad_input_is_one_line_and_exit_2(capsys, runs, tmp_path, argv, message)
     assert not list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.parametrize("kind", ["shares", "alignment", "updates"])
+def test_single_run_figure_refuses_a_folder_of_several_runs(capsys, runs, tmp_path, kind):
+    """A sweep folder stands for its finished runs; a single-run figure must not silently plot the
+    first of several."""
+    import shutil
+
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    for name in ("sp_ok", "sp_cliff"):
+        shutil.copy(runs[name], folder / f"{name}.h5")
+    code, out, err = run(capsys, "plot", kind, folder)
+    assert code == 2 and out == []
+    assert len(err) == 1 and err[0].startswith("gradscope: error: "), err
+    assert f"folder {folder} holds 2 finished runs" in err[0]
+    assert "pass one run file" in err[0] and f"gradscope plot sweep {folder}" in err[0]
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_single_run_figure_of_a_folder_with_one_run(capsys, runs, tmp_path):
+    """A folder holding one finished run is that run; the default output is next to the folder."""
+    import shutil
+
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    shutil.copy(runs["sp_cliff"], folder / "sp_cliff.h5")
+    code, out, err = run(capsys, "plot", "shares", folder)
+    assert code == 0, err
+    assert out == [str(tmp_path / "sweep_shares.png")]
+
+
+def test_a_figure_of_the_current_folder_is_named_after_it(capsys, runs, tmp_path, monkeypatch):
+    """``plot shares .`` inside a sweep folder: the figure goes next to the folder, named after it."""
+    import shutil
+
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    shutil.copy(runs["sp_cliff"], folder / "sp_cliff.h5")
+    monkeypatch.chdir(folder)
+    code, out, err = run(capsys, "plot", "shares", ".")
+    assert code == 0, err
+    assert Path(out[0]).resolve() == tmp_path / "sweep_shares.png"
+
+
 def test_bad_kind_is_a_usage_error(capsys, runs):
     with pytest.raises(SystemExit) as exc:
         main(["plot", "heatmap", str(runs["sp_ok"])])

@@ -5,8 +5,9 @@ libseccomp/pyseccomp: those are not on PyPI as wheels for every platform and wou
 library to a training install, while a fixed deny-list needs nothing beyond ``prctl(2)``.
 
 What the filter does (x86-64 only; another architecture, or the 32-bit and x32 system-call ABIs
-on x86-64, cannot be filtered by this table, so the launcher reports seccomp as unavailable there
-and a program using those ABIs is killed):
+on x86-64, cannot be filtered by this table, so the launcher reports seccomp as unavailable on
+another architecture, and on x86-64 a 32-bit system call kills the program while an x32 one gets
+EPERM):
 
 * **Killed** (``SECCOMP_RET_KILL_PROCESS``, the program dies of SIGSYS): the routes to memory that
   ``RLIMIT_AS`` does not count - ``memfd_create``, ``memfd_secret``, System V shared memory and
