@@ -133,6 +133,29 @@ def test_math_prompts_are_unique_and_space_exhaustion_is_handled():
     assert [t.prompt for t in toy_a[:len(space)]] == list(dict.fromkeys(t.prompt for t in toy_a))[:len(space)]
 
 
+@pytest.mark.parametrize("level, n_held_out", [(1, 128), (3, 32)])
+def test_held_out_prompts_are_never_trained_on_when_the_space_is_exhausted(level, n_held_out):
+    """The trainer's default code request (2000 + 128 at level 1: 179 distinct prompts) used to put every
+    held-out prompt in the training set too; the held-out tasks are distinct prompts no training task has."""
+    with pytest.warns(UserWarning, match="distinct prompts"):
+        s = load_tasks("code", n_train=2000, n_held_out=n_held_out, seed=0, level=level)
+    train_prompts = {t.prompt for t in s.train}
+    assert len(s.train) == 2000 and len(s.held_out) == n_held_out
+    assert len({t.prompt for t in s.held_out}) == n_held_out
+    assert not train_prompts & {t.prompt for t in s.held_out}
+    space = {t.prompt for t in generate_toy_code(2000 + n_held_out, level, seed=0)}
+    assert train_prompts == space - {t.prompt for t in s.held_out}
+    assert len({t.id for t in s.train}) == 2000  # GRPO groups rollouts by task id
+    with pytest.warns(UserWarning):
+        again = load_tasks("code", n_train=2000, n_held_out=n_held_out, seed=0, level=level)
+    assert [t.id for t in again.train] == [t.id for t in s.train]
+
+
+def test_too_few_prompts_to_hold_out_is_an_error():
+    with pytest.raises(TaskError, match="88 distinct prompts, too few to hold out 88"):
+        load_tasks("code", n_train=10, n_held_out=88, seed=0, level=3)
+
+
 def test_prompts_are_compact():
     for level in (1, 2, 3):
         assert max(len(t.prompt) for t in generate_math(200, level, seed=0)) <= 12

@@ -5,6 +5,9 @@ uses; see ``docs/tasks.md`` for the formats, levels and the answer extractor's r
 """
 from __future__ import annotations
 
+import itertools
+import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from .base import Task, TaskError, TaskFileError, TaskSet, split
@@ -78,4 +81,22 @@ def _generated(generate, name: str, n_train, n_held_out: int, seed: int, level: 
     if n_train is None:
         raise TaskError(f"{name}: n_train is required for generated tasks")
     pool = generate(n_train + n_held_out, level=level, seed=seed)
-    return split(pool, n_held_out=n_held_out, seed=seed, name=f"{name}:L{level}")
+    name = f"{name}:L{level}"
+    firsts: dict[str, Task] = {}
+    for t in pool:
+        firsts.setdefault(t.prompt, t)
+    if len(firsts) == len(pool):
+        return split(pool, n_held_out=n_held_out, seed=seed, name=name)
+    # the level's prompt space is exhausted and the pool repeats prompts: hold out distinct prompts
+    # and train only on the others, so that no held-out prompt is ever trained on
+    if len(firsts) <= n_held_out:
+        raise TaskError(f"{name}: the level has {len(firsts)} distinct prompts, too few to hold out {n_held_out} "
+                        "and train on others (lower --n-held-out, or choose another level)")
+    parts = split(list(firsts.values()), n_held_out=n_held_out, seed=seed, name=name)
+    held = {t.prompt for t in parts.held_out}
+    train = [t for t in pool if t.prompt not in held]
+    train += [replace(t, id=f"{t.id}#{i // len(train) + 1}") for i, t in
+              zip(range(n_train - len(train)), itertools.cycle(train))]
+    warnings.warn(f"{name}: the level has {len(firsts)} distinct prompts: the {n_held_out} held-out tasks are "
+                  f"distinct, the {n_train} training tasks repeat the other {len(parts.train)}", stacklevel=3)
+    return TaskSet(name=name, train=train[:n_train], held_out=parts.held_out)
