@@ -8,7 +8,9 @@ default. Every user error (bad file, bad flag) prints one line ``gradscope: erro
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from gradscope import __version__
@@ -235,8 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The folder holding gradscope's packages (gradscope, trainers, analyses, figures).
+_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_format_warning = warnings.formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """gradscope's own warnings as one line, like its errors; other packages' as Python prints them."""
+    if issubclass(category, UserWarning) and os.path.abspath(filename).startswith(_PROJECT + os.sep):
+        return f"gradscope: warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
         if args.command in READ_COMMANDS:
             return _reading(args)

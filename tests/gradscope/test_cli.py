@@ -106,3 +106,15 @@ print(json.dumps({{"codes": codes, "errors": errors, "heavy": sorted(m for m in 
         assert code_ == (0 if help_like else 2), (argv, code_, err)
         if not help_like:
             assert err.startswith("gradscope: error: ") and err.count("\n") == 1, (argv, err)
+
+
+def test_gradscopes_own_warnings_print_as_one_line(tmp_path):
+    """A sweep of the code task warns that toy level 1 repeats its training prompts: one line, prefixed like
+    the errors (not Python's file:line and source line)."""
+    config = tmp_path / "code.yaml"
+    config.write_text("train:\n  steps: 2\ngrid:\n  workflow: voting\n  task: code\n  policy: ip\n")
+    out = subprocess.run([sys.executable, "-m", "gradscope.cli", "sweep", str(config), "--dry-run",
+                          "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == ["gradscope: warning: code:toy:L1: the level has 179 distinct prompts: the 128 "
+                                       "held-out tasks are distinct, the 2000 training tasks repeat the other 51"]
