@@ -463,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=HERE / "out", help="folder of the sweep folders (a folder it "
                         "lacks is read from sweeps/results, where the repository keeps some)")
+    parser.add_argument("--archive", type=Path, default=ARCHIVE, help="where a folder that --root lacks is read "
+                        "from (default: sweeps/results)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", type=Path, help="rewrite the tables of this document in place")
     mode.add_argument("--check", type=Path, help="exit 1 if this document's tables are not the regenerated ones")
@@ -473,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.only and not (args.write or args.check):
         parser.error("--only needs --write or --check")
-    folders = Folders(args.root)
+    folders = Folders(args.root, args.archive)
     if args.figures:
         copy_figures(args.root, args.figures)
     if args.write or args.check:
