@@ -430,7 +430,7 @@ def regenerate(text: str, folders: Folders, extra: dict | None = None, only: set
 #: The figures docs/reproduction.md shows: file name there → (sweep folder, figure of its ``figures/``).
 FIGURES = {
     "delta_workflows_math.png": ("workflows_math", "delta.png"),
-    "delta_workflows_code.png": ("workflows_code", "delta.png"),
+    "delta_workflows_code.png": ("xeon/workflows_code", "delta.png"),  # the split with no held-out prompt trained on
     "ipsp_voting_math_long.png": ("voting_math_long", "ipsp_voting_math_testbed-0.3M.png"),
     "ipsp_voting_math_scale.png": ("voting_math_scale", "ipsp_voting_math_testbed-1.5M.png"),
     "ipsp_voting_math_scale6.png": ("voting_math_scale6", "ipsp_voting_math_testbed-6M.png"),
