@@ -7,7 +7,7 @@ step of each scale (rollout + update + probe; no evaluation) and their ratios to
 A scale whose warm start is not cached is timed on the freshly initialised model instead (marked
 "untrained" in the output), whose completions all run to the generation limit (24 tokens): its seconds
 are an upper bound on the warm-started model's. ``--build`` builds the missing warm starts first
-(12 and 54 min for 1.5M and 6M on 2 shared cores, measured: training.md).
+(12–18 and 54–60 min for 1.5M and 6M on 2 shared cores, measured: training.md, "Scales").
 
 Run: ``.venv/bin/python benchmarks/bench_scales.py [--steps N] [--scales 0.3M,1.5M,6M] [--build]``.
 """

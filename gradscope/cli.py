@@ -8,13 +8,12 @@ default. Every user error (bad file, bad flag) prints one line ``gradscope: erro
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from collections.abc import Sequence
 
 from gradscope import __version__
-from gradscope.errors import GradscopeError
+from gradscope.errors import GradscopeError, GradscopeWarning
 from gradscope.ranges import COUNT, DPI, POLL, WAIT, WHOLE
 
 EXIT_USAGE = 2
@@ -237,16 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The folder holding gradscope's packages (gradscope, trainers, analyses, figures).
-_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_format_warning = warnings.formatwarning
-
-
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """gradscope's own warnings as one line, like its errors; other packages' as Python prints them."""
-    if issubclass(category, UserWarning) and os.path.abspath(filename).startswith(_PROJECT + os.sep):
+    """gradscope's own warnings (GradscopeWarning) as one line, like its errors; others as Python prints them."""
+    if issubclass(category, GradscopeWarning):
         return f"gradscope: warning: {message}\n"
     return _format_warning(message, category, filename, lineno, line)
+
+
+_format_warning = warnings.formatwarning
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -262,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gradscope: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = _format_warning
 
 
 def _reading(args: argparse.Namespace) -> int:

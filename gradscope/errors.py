@@ -1,4 +1,4 @@
-"""Errors that the command line reports as one line and exit code 2."""
+"""Errors that the command line reports as one line and exit code 2, and the warning it prints as one line."""
 
 
 class GradscopeError(Exception):
@@ -19,3 +19,7 @@ class ConfigError(GradscopeError):
 
 class TaskFileError(GradscopeError):
     """A task file (JSONL) is missing, unreadable or malformed; the message names file and line."""
+
+
+class GradscopeWarning(UserWarning):
+    """Something the user should know that does not stop the command (``gradscope: warning: ...``)."""

@@ -440,23 +440,34 @@ FIGURES = {
 }
 
 
-def copy_figures(root: Path, dest: Path) -> None:
-    """Redraw each sweep folder's figures (``gradscope plot sweep``) and copy the document's into ``dest``."""
+def copy_figures(folders: Folders, dest: Path) -> None:
+    """Redraw each sweep folder's figures (``gradscope plot sweep``) and copy the document's into ``dest``; a
+    folder read from the archive is redrawn in a temporary copy (the kept folders hold no figures)."""
     import shutil
+    import tempfile
 
     from gradscope.figures.sweepdir import write_report
 
     dest.mkdir(parents=True, exist_ok=True)
-    for name in sorted({folder for folder, _ in FIGURES.values()}):
-        if (root / name).is_dir():
-            write_report(root / name)
-    for target, (folder, figure) in FIGURES.items():
-        source = root / folder / "figures" / figure
-        if source.is_file():
-            shutil.copyfile(source, dest / target)
-            print(f"copied {source} -> {dest / target}")
-        else:
-            print(f"not copied: {source} (not run yet)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        drawn = {}
+        for name in sorted({folder for folder, _ in FIGURES.values()}):
+            folder = folders.folder(name)
+            if not folder.is_dir():
+                continue
+            if folders.archive is not None and folder == folders.archive / name:
+                copy = Path(tmp) / name
+                shutil.copytree(folder, copy)
+                folder = copy
+            write_report(folder)
+            drawn[name] = folder
+        for target, (name, figure) in FIGURES.items():
+            source = drawn[name] / "figures" / figure if name in drawn else folders.folder(name) / "figures" / figure
+            if source.is_file():
+                shutil.copyfile(source, dest / target)
+                print(f"copied {name}/figures/{figure} -> {dest / target}")
+            else:
+                print(f"not copied: {name}/figures/{figure} (not run yet)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--only needs --write or --check")
     folders = Folders(args.root, args.archive)
     if args.figures:
-        copy_figures(args.root, args.figures)
+        copy_figures(folders, args.figures)
     if args.write or args.check:
         doc = args.write or args.check
         old = doc.read_text()

@@ -220,3 +220,13 @@ def test_the_documents_tables_of_the_kept_folders_match_them(reproduce, tmp_path
     assert len(kept) >= 26  # the second build's blocks (0.3M, 1.5M and 6M), the fixed code split's, Table 1s
     args = [a for name in kept for a in ("--only", name)]
     assert reproduce.main(["--root", str(tmp_path), "--archive", str(archive), "--check", str(doc), *args]) == 0
+
+
+def test_figures_of_a_kept_folder_are_drawn_in_a_copy(reproduce, tmp_path):
+    """--figures draws a folder read from the archive in a temporary copy: the figure is copied into the
+    document's folder, the kept folder gains no figures/."""
+    archive, dest = tmp_path / "results", tmp_path / "img"
+    sweep_folder(archive / "xeon", "workflows_code", {f"ip_seed{s}": dict(policy="ip", seed=s) for s in range(2)})
+    assert reproduce.main(["--root", str(tmp_path / "out"), "--archive", str(archive), "--figures", str(dest)]) == 0
+    assert (dest / "delta_workflows_code.png").stat().st_size > 0
+    assert not (archive / "xeon" / "workflows_code" / "figures").exists()

@@ -118,3 +118,17 @@ def test_gradscopes_own_warnings_print_as_one_line(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stderr.splitlines() == ["gradscope: warning: code:toy:L1: the level has 179 distinct prompts: the 128 "
                                        "held-out tasks are distinct, the 2000 training tasks repeat the other 51"]
+
+
+def test_other_warnings_keep_pythons_format_and_main_restores_it():
+    import warnings
+
+    from gradscope.cli import _one_line_warning
+    from gradscope.errors import GradscopeWarning
+
+    assert _one_line_warning("x", GradscopeWarning, "/any/where.py", 3) == "gradscope: warning: x\n"
+    other = _one_line_warning("y", UserWarning, "/site-packages/numpy/__init__.py", 7)
+    assert other.startswith("/site-packages/numpy/__init__.py:7: UserWarning: y")
+    before = warnings.formatwarning
+    assert main(["table", "/nonexistent/run.h5"]) == 2  # an error: the format is put back all the same
+    assert warnings.formatwarning is before

@@ -10,6 +10,8 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+from gradscope.errors import GradscopeWarning
+
 from .base import Task, TaskError, TaskFileError, TaskSet, split
 from .code import (build_program, generate_toy_code, load_humaneval, sandbox_args, toy_body,
                    toy_program)
@@ -97,6 +99,8 @@ def _generated(generate, name: str, n_train, n_held_out: int, seed: int, level: 
     train = [t for t in pool if t.prompt not in held]
     train += [replace(t, id=f"{t.id}#{i // len(train) + 1}") for i, t in
               zip(range(n_train - len(train)), itertools.cycle(train))]
-    warnings.warn(f"{name}: the level has {len(firsts)} distinct prompts: the {n_held_out} held-out tasks are "
-                  f"distinct, the {n_train} training tasks repeat the other {len(parts.train)}", stacklevel=3)
+    if n_held_out:
+        warnings.warn(f"{name}: the level has {len(firsts)} distinct prompts: the {n_held_out} held-out tasks are "
+                      f"distinct, the {n_train} training tasks repeat the other {len(parts.train)}", GradscopeWarning,
+                      stacklevel=3)
     return TaskSet(name=name, train=train[:n_train], held_out=parts.held_out)
