@@ -236,14 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_format_warning = warnings.formatwarning  # Python's own, put back when main() returns
+
+
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """gradscope's own warnings (GradscopeWarning) as one line, like its errors; others as Python prints them."""
     if issubclass(category, GradscopeWarning):
         return f"gradscope: warning: {message}\n"
     return _format_warning(message, category, filename, lineno, line)
-
-
-_format_warning = warnings.formatwarning
 
 
 def main(argv: Sequence[str] | None = None) -> int:
