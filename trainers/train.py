@@ -13,6 +13,7 @@ import os
 import random
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
@@ -24,7 +25,7 @@ import torch
 from gradscope.alerts import Alert, Monitor, Rule, check_selectors
 from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
-from gradscope.errors import ConfigError
+from gradscope.errors import ConfigError, GradscopeWarning
 from gradscope.paths import kind_of
 from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
@@ -43,7 +44,7 @@ from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
 from gradscope.trainers.sandbox import unavailable_reason
-from gradscope.trainers.tasks import check_answer, load_tasks
+from gradscope.trainers.tasks import check_answer, tasks_for
 from gradscope.trainers.tasks.base import Task, TaskSet
 from gradscope.trainers.testbed.scales import SCALES
 from gradscope.trainers.workflows import WORKFLOWS, Templates
@@ -111,9 +112,7 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
             kind = kind_of(os.stat(cfg.task_file).st_mode)
             if kind is not None:
                 raise ConfigError(f"--task-file {cfg.task_file}: is {kind}, not a file")
-    n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
-    tasks = load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
-                       level=cfg.task_level, path=cfg.task_file)
+    tasks = tasks_for(cfg)
     if any(t.kind == "code" for t in tasks.train[:1] + tasks.held_out[:1]) and not cfg.unsafe_sandbox:
         reason = unavailable_reason()
         if reason is not None:
@@ -122,11 +121,13 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     return workflow, tasks, rules
 
 
-def check_checkpoints(cfg: TrainConfig) -> Checkpoint | None:
+def check_checkpoints(cfg: TrainConfig, tasks: TaskSet) -> Checkpoint | None:
     """The checkpoint folder ``<out>.ckpt``, before any model is built (errors exit 2).
 
     A new run refuses to replace another run's resume point without ``--overwrite``. ``--resume``
-    checks the settings against the run's stored config and returns the newest complete checkpoint,
+    checks the settings against the run's stored config, and ``tasks`` against the tasks it was made
+    on (its ``versions["tasks"]``; a file written before that was recorded: a warning that they cannot
+    be checked), and returns the newest complete checkpoint,
     after checking that it was taken from this run file and that the file still holds every row it
     covers (its committed counters equal the file's rows up to its step). None: no checkpoint yet
     (a run killed before its first one starts over), allowed only while the file holds nothing
@@ -140,6 +141,7 @@ def check_checkpoints(cfg: TrainConfig) -> Checkpoint | None:
         return None
     with open_run(cfg.out) as run:
         check_resumable(cfg, run.meta.config)
+        check_same_tasks(cfg.out, run.meta.versions.get("tasks"), tasks)
         ckpt = find_checkpoint(folder)
         if ckpt is None:
             if committed_below(run, 1) != committed_below(run, 2**62):  # rows after the base evaluation
@@ -159,13 +161,25 @@ def check_checkpoints(cfg: TrainConfig) -> Checkpoint | None:
     return ckpt
 
 
+def check_same_tasks(out: str, stored: str | None, tasks: TaskSet) -> None:
+    """ConfigError when the run file ``out`` was made on other tasks than ``tasks`` (fingerprint
+    ``stored``, :meth:`TaskSet.fingerprint`); a GradscopeWarning when it does not say (``None``)."""
+    if stored is None:
+        warnings.warn(f"--resume: {out} was written before run files recorded their tasks: cannot check that "
+                      f"these settings still give the tasks it was trained on", GradscopeWarning, stacklevel=2)
+    elif stored != tasks.fingerprint():
+        raise ConfigError(f"--resume: {out} was trained on other tasks ({stored}) than its settings give now "
+                          f"({tasks.fingerprint()}): the task generator, split or file changed; --overwrite starts "
+                          f"the run over")
+
+
 class Trainer:
     """Builds everything from a config; :meth:`run` trains and writes the run file."""
 
     def __init__(self, cfg: TrainConfig, *, verbose: bool = False,
                  echo: Callable[[str], object] | None = None) -> None:
         workflow_cls, self.tasks, self.rules = validate(cfg)
-        self.resume_from = check_checkpoints(cfg)
+        self.resume_from = check_checkpoints(cfg, self.tasks)
         self.echo = echo  # where alert lines go (None: standard error)
         self.stopped_by: Alert | None = None  # the alert whose ``stop`` ended the run
         self.stopped_after = 0                 # ... after this training step
@@ -213,12 +227,14 @@ class Trainer:
                        update_unit=self.probe.update_unit or "", versions=self.base_versions())
 
     def base_versions(self) -> dict[str, str]:
-        """The testbed warm start's digest and whether it is the pinned build (``versions["testbed"]``)."""
+        """The tasks' fingerprint (``versions["tasks"]``), and on the testbed its warm start's digest and
+        whether it is the pinned build (``versions["testbed"]``)."""
+        versions = {"tasks": self.tasks.fingerprint()}
         if self.cfg.model != "testbed":
-            return {}
+            return versions
         from gradscope.trainers.testbed.cache import provenance  # imports transformers: not before a model
 
-        return {"testbed": provenance(SCALES[self.cfg.scale])}
+        return {**versions, "testbed": provenance(SCALES[self.cfg.scale])}
 
     def stored_config(self) -> dict:
         """The resolved config as the run file stores it (JSON types), with the world size."""

@@ -19,6 +19,7 @@ class RunProgress:
     closed: bool          # the writer closed the file
     stopped: bool         # an alert's ``stop`` event ended the run
     config: dict | None   # the stored config (None when the file could not be read)
+    versions: dict | None = None  # the stored versions (``versions["tasks"]``: the tasks' fingerprint)
 
     def finished(self, steps: int | None = None) -> bool:
         """Closed, and at ``steps`` (default: the stored config's ``steps``; a run file without one
@@ -39,6 +40,6 @@ def run_progress(path: str | os.PathLike) -> RunProgress:
             kinds = run.read_table("events")["kind"] if run.n_events else []
             stopped = any((k.decode() if isinstance(k, bytes) else str(k)) == "stop" for k in kinds)
             return RunProgress(int(rows[-1]["step"]) if len(rows) else 0, run.closed, stopped,
-                               dict(run.meta.config))
+                               dict(run.meta.config), dict(run.meta.versions))
     except (GradscopeError, OSError, KeyError, ValueError):
         return RunProgress(0, False, False, None)

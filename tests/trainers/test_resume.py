@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gradscope.cli import main
+from gradscope.errors import GradscopeWarning
 from gradscope.runfile import open_run, schema
 from gradscope.trainers import train as train_mod
 from gradscope.trainers.checkpoint import find_checkpoint
@@ -165,6 +166,41 @@ def test_resume_without_a_checkpoint_but_with_trained_steps_is_refused(tmp_path,
     assert main(["train", "--out", str(out), "--resume"]) == 2
     assert "no checkpoint in" in one_error_line(capsys)
     assert digest(out) == before
+
+
+def test_resume_refuses_a_run_trained_on_other_tasks(tmp_path, capsys, forbid_model, monkeypatch):
+    """The same settings giving other tasks (a changed generator or split): refused, nothing touched."""
+    out = tmp_path / "run.h5"
+    assert train("--steps", "1", "--out", str(out)) == 0
+    with open_run(out) as run:
+        stored = run.meta.versions["tasks"]
+    assert stored.startswith("math:L1 40+4 ")
+    before = digest(out)
+    real = train_mod.tasks_for
+
+    def reordered(cfg):  # the same tasks, held out in another order
+        tasks = real(cfg)
+        return dataclasses.replace(tasks, held_out=tasks.held_out[::-1])
+
+    monkeypatch.setattr(train_mod, "tasks_for", reordered)
+    forbid_model()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2"]) == 2
+    line = one_error_line(capsys)
+    assert "trained on other tasks" in line and f"({stored})" in line and "--overwrite" in line, line
+    assert digest(out) == before
+
+
+def test_resume_of_a_run_file_that_does_not_record_its_tasks_warns(tmp_path, capsys):
+    out = tmp_path / "run.h5"
+    assert train("--steps", "1", "--out", str(out)) == 0
+    with h5py.File(out, "r+", libver="latest") as f:  # as written before run files recorded their tasks
+        versions = json.loads(f.attrs["versions"])
+        del versions["tasks"]
+        f.attrs["versions"] = json.dumps(versions)
+    with pytest.warns(GradscopeWarning, match=r"^--resume: .*run.h5 was written before .* cannot check"):
+        assert main(["train", "--out", str(out), "--resume", "--steps", "2"]) == 0
+    with open_run(out) as run:
+        assert sorted(set(run.step)) == [1, 2]
 
 
 def test_find_checkpoint_takes_the_newest_complete_one(tmp_path):

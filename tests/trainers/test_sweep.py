@@ -212,3 +212,36 @@ def test_a_run_from_before_a_setting_existed_matches_the_setting_at_its_default(
             check_same_config(path, stored, wanted, defaults)
     with pytest.raises(ConfigError, match="dtype: "):  # without defaults a missing setting is a difference
         check_same_config(path, stored, defaults)
+
+
+def test_a_kept_run_trained_on_other_tasks_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    """A finished run whose recorded tasks are not what its cell's settings give now (a changed generator
+    or split) is refused, exit 2, nothing started or touched; one that does not record them: a warning."""
+    import h5py
+
+    from gradscope.errors import GradscopeWarning
+    from gradscope.trainers.sweep import scheduler
+
+    config = write(tmp_path, TINY.format(steps=1).replace("[ip, sp]", "ip").replace("[0, 1]", "0")
+                   .replace("[0.001, 0.002]", "0.001"))
+    cells = expand(load_spec(config))
+    folder = tmp_path / "out"
+    (folder / "runs").mkdir(parents=True)
+    run = cells[0].run_path(folder)
+    assert main(["train", *cells[0].argv, "--out", str(run)]) == 0
+    assert [p[2] for p in scheduler.plan(cells, folder)] == [DONE]  # the sweep's fingerprint is the trainer's
+    before = run.read_bytes()
+    monkeypatch.setattr(scheduler, "_fingerprint", lambda cfg: "math:L1 20+4 0123456789abcdef")
+    capsys.readouterr()
+    assert main(["sweep", str(config), "--out", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gradscope: error: {run} was trained on other tasks (math:L1 20+4 ") and "\n" not in err
+    assert "(math:L1 20+4 0123456789abcdef: the task generator, split or file changed)" in err, err
+    assert run.read_bytes() == before and not (folder / "logs").exists()
+    monkeypatch.undo()
+    with h5py.File(run, "r+", libver="latest") as f:  # as written before run files recorded their tasks
+        versions = json.loads(f.attrs["versions"])
+        del versions["tasks"]
+        f.attrs["versions"] = json.dumps(versions)
+    with pytest.warns(GradscopeWarning, match="1 run file.* before run files recorded their tasks"):
+        assert [p[2] for p in scheduler.plan(cells, folder)] == [DONE]

@@ -202,7 +202,7 @@ def test_generation_and_split_do_not_depend_on_hash_seed():
         "s = split(m, n_held_out=10, seed=4)\n"
         "c = load_tasks('code', n_train=12, n_held_out=4, seed=9, level=3)\n"
         "print(json.dumps([[t.prompt + t.answer for t in m], [t.id for t in s.held_out],\n"
-        "                  [t.meta['test'] for t in c.train + c.held_out]]))\n")
+        "                  [t.meta['test'] for t in c.train + c.held_out], c.fingerprint()]))\n")
     outs = []
     for hash_seed in ("1", "2", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(REPO))
@@ -213,6 +213,28 @@ def test_generation_and_split_do_not_depend_on_hash_seed():
     assert outs[0] == outs[1] == outs[2]
     m = generate_math(40, 2, seed=3)
     assert json.loads(outs[0])[0] == [t.prompt + t.answer for t in m]
+    assert json.loads(outs[0])[3] == load_tasks("code", n_train=12, n_held_out=4, seed=9, level=3).fingerprint()
+
+
+def test_the_fingerprint_changes_with_any_task_or_its_order():
+    """What a run file records to tell a resume that the same settings now give other tasks."""
+    tasks = load_tasks("math", n_train=30, n_held_out=6, seed=2, level=1)
+    again = load_tasks("math", n_train=30, n_held_out=6, seed=2, level=1)
+    name, sizes, digest = tasks.fingerprint().split(" ")
+    assert (name, sizes) == ("math:L1", "30+6") and re.fullmatch(r"[0-9a-f]{16}", digest)
+    assert again.fingerprint() == tasks.fingerprint()
+    first = tasks.train[0]
+    changed = [
+        TaskSet(tasks.name, tasks.train[::-1], tasks.held_out),                        # order
+        TaskSet(tasks.name, tasks.train[1:] + tasks.held_out[:1], tasks.held_out[1:] + tasks.train[:1]),  # split
+        TaskSet(tasks.name, [Task(first.id, first.kind, first.prompt, first.answer + "0", first.meta),
+                             *tasks.train[1:]], tasks.held_out),                        # an answer
+        TaskSet(tasks.name, [Task(first.id, first.kind, first.prompt, first.answer, {**first.meta, "width": 9}),
+                             *tasks.train[1:]], tasks.held_out),                        # what the checker reads
+        load_tasks("math", n_train=30, n_held_out=6, seed=3, level=1),                 # another seed
+    ]
+    prints = {t.fingerprint() for t in changed}
+    assert len(prints) == len(changed) and tasks.fingerprint() not in prints
 
 
 # ------------------------------------------------------------------------------ JSONL loaders

@@ -6,8 +6,9 @@
   or one whose ``steps`` grew): ``gradscope train --resume`` continues from the checkpoint;
 * **fresh** — nothing usable: start (over) with ``--overwrite``.
 
-A run file written with other settings than the cell's (anything but ``steps`` and ``threads``)
-is never reused: :func:`check_same_config` raises.
+A run file written with other settings than the cell's (anything but ``steps`` and ``threads``),
+or on other tasks than the cell's settings give now (its ``versions["tasks"]`` fingerprint), is never
+reused: :func:`check_same_config` and :func:`check_same_tasks` raise.
 """
 from __future__ import annotations
 
@@ -28,18 +29,28 @@ class RunState:
     state: str          # DONE | RESUME | FRESH
     steps_done: int     # last training step in the run file (0 if none)
     config: dict | None  # the run file's stored config (None without a readable file)
+    tasks: str | None = None  # its tasks' fingerprint (None: not readable, or not recorded)
 
 
 def run_state(path: Path, steps: int) -> RunState:
     if not path.exists():
         return RunState(FRESH, 0, None)
     progress = run_progress(path)
-    done, config = progress.last_step, progress.config
+    done, config, tasks = progress.last_step, progress.config, (progress.versions or {}).get("tasks")
     if progress.finished(steps):
-        return RunState(DONE, done, config)
+        return RunState(DONE, done, config, tasks)
     if config is not None and (path.with_name(path.name + ".ckpt") / "latest" / "state.pt").is_file():
-        return RunState(RESUME, done, config)
-    return RunState(FRESH, 0, config)
+        return RunState(RESUME, done, config, tasks)
+    return RunState(FRESH, 0, config, tasks)
+
+
+def check_same_tasks(path: Path, stored: str | None, wanted: str) -> None:
+    """ConfigError when the run file at ``path`` was trained on other tasks (fingerprint ``stored``)
+    than the cell's settings give now (``wanted``); ``stored`` None (not recorded) passes."""
+    if stored is not None and stored != wanted:
+        raise ConfigError(f"{path} was trained on other tasks ({stored}) than its cell's settings give now "
+                          f"({wanted}: the task generator, split or file changed); sweep into another --out folder "
+                          "or delete the run")
 
 
 def check_same_config(path: Path, stored: dict | None, wanted: dict, defaults: dict | None = None) -> None:

@@ -11,22 +11,25 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradscope.errors import GradscopeWarning
 from gradscope.trainers.sweep.config import SweepError
 from gradscope.trainers.sweep.grid import Cell, cell_config, train_parser
 from gradscope.trainers.sweep.progress import Progress
 from gradscope.runfile.progress import run_progress
-from gradscope.trainers.sweep.runs import DONE, RESUME, check_same_config, run_state
+from gradscope.trainers.sweep.runs import DONE, RESUME, check_same_config, check_same_tasks, run_state
 
 MANIFEST = "cells.json"
 #: ``gradscope`` in a child interpreter, whatever the working directory holds (``-m`` would put the
@@ -73,9 +76,11 @@ def folder_lock(folder: Path) -> Iterator[None]:
 
 def plan(cells: list[Cell], folder: Path) -> list[tuple[Cell, int, str, int]]:
     """(cell, steps, state, steps already done) of every cell; ConfigError if a run file in the
-    folder was trained with other settings than its cell's."""
+    folder was trained with other settings than its cell's, or (one to be kept: finished or resumed)
+    on other tasks than they give now. One GradscopeWarning for kept run files that do not record
+    their tasks (written before run files did): those are not checked."""
     parser = train_parser()
-    out = []
+    out, unchecked = [], 0
     for cell in cells:
         path = cell.run_path(folder)
         cfg = cell_config(cell, parser, path)
@@ -83,8 +88,34 @@ def plan(cells: list[Cell], folder: Path) -> list[tuple[Cell, int, str, int]]:
         if st.config is not None:
             wanted = json.loads(json.dumps(dataclasses.asdict(cfg.resolved())))
             check_same_config(path, st.config, wanted, _defaults())
+        if st.state in (DONE, RESUME):
+            if st.tasks is None:
+                unchecked += 1
+            else:
+                check_same_tasks(path, st.tasks, _fingerprint(cfg))
         out.append((cell, cfg.steps, st.state, st.steps_done))
+    if unchecked:
+        warnings.warn(f"{folder}: {unchecked} run file(s) to keep were written before run files recorded their "
+                      "tasks: not checked against the tasks their settings give now", GradscopeWarning, stacklevel=2)
     return out
+
+
+def _fingerprint(cfg) -> str:
+    """The fingerprint of the tasks a cell's config gives (:meth:`TaskSet.fingerprint`)."""
+    return _task_fingerprint(cfg.task, cfg.task_file, cfg.task_level, cfg.n_train, cfg.n_held_out, cfg.seed)
+
+
+@functools.lru_cache(maxsize=None)  # cells differing only in workflow or policy share their tasks
+def _task_fingerprint(task: str, task_file: str | None, task_level: int, n_train: int, n_held_out: int,
+                      seed: int) -> str:
+    from types import SimpleNamespace
+
+    from gradscope.trainers.tasks import tasks_for
+
+    with warnings.catch_warnings():  # the trainer warns about a repeating level, once per run
+        warnings.simplefilter("ignore", GradscopeWarning)
+        return tasks_for(SimpleNamespace(task=task, task_file=task_file, task_level=task_level, n_train=n_train,
+                                         n_held_out=n_held_out, seed=seed)).fingerprint()
 
 
 def _defaults() -> dict:

@@ -19,7 +19,7 @@ from .math import (answers_equivalent, answers_match, check_answer, extract_answ
                    load_math_jsonl, normalise_answer)
 
 __all__ = [
-    "Task", "TaskSet", "TaskError", "TaskFileError", "split", "load_tasks", "TASK_NAMES",
+    "Task", "TaskSet", "TaskError", "TaskFileError", "split", "load_tasks", "tasks_for", "TASK_NAMES",
     "generate_math", "load_math_jsonl", "extract_answer", "normalise_answer", "answers_match",
     "answers_equivalent", "check_answer", "is_correct", "load_humaneval", "generate_toy_code", "toy_body",
     "toy_program", "build_program", "sandbox_args",
@@ -77,6 +77,15 @@ def load_tasks(
         return split(pool, n_held_out=n_held_out, n_train=n_train, seed=seed, name="code:humaneval")
     raise TaskError(f"unknown task {task!r}{f' (source {source!r})' if source else ''}; "
                     f"choose from {', '.join(TASK_NAMES)}")
+
+
+def tasks_for(cfg) -> TaskSet:
+    """The tasks a training config trains and evaluates on (a ``TrainConfig``, or anything with its
+    ``task``, ``task_file``, ``task_level``, ``n_train``, ``n_held_out`` and ``seed``): a task file or
+    HumanEval trains on every task not held out, whatever ``n_train`` says."""
+    n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
+    return load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
+                      level=cfg.task_level, path=cfg.task_file)
 
 
 def _generated(generate, name: str, n_train, n_held_out: int, seed: int, level: int) -> TaskSet:

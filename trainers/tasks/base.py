@@ -6,6 +6,8 @@ unit tests, ...). Tasks are plain data; nothing here executes code.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -53,6 +55,16 @@ class TaskSet:
 
     def __len__(self) -> int:
         return len(self.train) + len(self.held_out)
+
+    def fingerprint(self) -> str:
+        """``"NAME TRAIN+HELD_OUT DIGEST"``: the name, the sizes and the first 16 hex digits of the
+        sha256 of both lists (every task's id, kind, prompt, answer and meta, in order). Equal
+        fingerprints: the same tasks in the same order; a run file keeps it (``versions["tasks"]``) so
+        that a resume or a sweep can tell when the same settings now give other tasks (a changed
+        generator or split, an edited task file)."""
+        doc = [[[t.id, t.kind, t.prompt, t.answer, t.meta] for t in part] for part in (self.train, self.held_out)]
+        digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+        return f"{self.name} {len(self.train)}+{len(self.held_out)} {digest}"
 
 
 def rng_for(seed: int, *salt: object) -> random.Random:
