@@ -27,12 +27,17 @@ KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep", "updates")
 SINGLE = ("shares", "alignment", "updates")
 
 
-def _load(paths: list[str]) -> list:
-    """The runs of run-file arguments; a folder (a sweep's) stands for its finished runs."""
+def _run_files(paths: list[str]) -> list[str]:
+    """Run-file arguments with a folder (a sweep's) replaced by its finished runs."""
     from gradscope.figures.sweepdir import expand_paths
 
+    return expand_paths(paths)
+
+
+def _load(run_files: list[str]) -> list:
+    """The runs of :func:`_run_files`' list."""
     out = []
-    for path in expand_paths(paths):
+    for path in run_files:
         series, closed = data.load(path)
         if not closed:
             print(f"gradscope: note: {path}: the writer did not close the file (live or killed); "
@@ -41,15 +46,12 @@ def _load(paths: list[str]) -> list:
     return out
 
 
-def _one_run_in(folder: str, kind: str) -> None:
+def _one_run_in(folder: str, run_files: list[str], kind: str) -> None:
     """A single-run figure given a sweep folder: refused unless the folder holds one finished run
     (it would otherwise plot only the first of them)."""
-    from gradscope.figures.sweepdir import expand_paths
-
-    n = len(expand_paths([folder]))
-    if n > 1:
-        raise ConfigError(f"plot {kind} takes one run file, but folder {folder} holds {n} finished runs; "
-                          f"pass one run file (or use gradscope plot sweep {folder})")
+    if len(run_files) > 1:
+        raise ConfigError(f"plot {kind} takes one run file, but folder {folder} holds {len(run_files)} finished "
+                          f"runs; pass one run file (or use gradscope plot sweep {folder})")
 
 
 def _steps(text: str | None) -> list[int] | None:
@@ -62,14 +64,14 @@ def _steps(text: str | None) -> list[int] | None:
 
 
 def default_stem(first_run: str, kind: str) -> Path:
-    """Next to the first run file (or folder): ``<dir>/<run stem>_<kind>``; a folder named ``.`` or ``..``
-    by its absolute name."""
+    """Next to the first run file (or folder): ``<dir>/<run stem>_<kind>``; a folder by its whole name
+    (``sweep.v2`` keeps its dot), ``.`` or ``..`` by its absolute name."""
     p = Path(first_run)
     if p.name in ("", ".."):
         p = p.resolve()
     if not p.name:
         raise ConfigError(f"cannot name the figure after {first_run!r}: pass --out")
-    return p.with_name(f"{p.stem}_{kind.replace('-', '_')}")
+    return p.with_name(f"{p.name if p.is_dir() else p.stem}_{kind.replace('-', '_')}")
 
 
 def make_figure(kind: str, series: list, args: argparse.Namespace):
@@ -100,9 +102,10 @@ def plot_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"plot {kind} takes one run file, got {len(args.runs)}")
     if args.steps and kind != "alignment":
         raise ConfigError("--steps applies to plot alignment only")
+    run_files = _run_files(args.runs)
     if kind in SINGLE and Path(args.runs[0]).is_dir():
-        _one_run_in(args.runs[0], kind)
-    series = _load(args.runs)
+        _one_run_in(args.runs[0], run_files, kind)
+    series = _load(run_files)
     fig = make_figure(kind, series, args)
     stem = Path(args.out) if args.out else default_stem(args.runs[0], kind)
     for path in save(fig, stem, formats, dpi=args.dpi):
@@ -113,7 +116,7 @@ def plot_main(args: argparse.Namespace) -> int:
 def table_main(args: argparse.Namespace) -> int:
     from gradscope.figures.table import format_table, seed_table, summary_table
 
-    series = _load(args.runs)
+    series = _load(_run_files(args.runs))
     text = seed_table(series, args.over, args.format) if args.over else format_table(summary_table(series), args.format)
     if args.out:
         out = Path(args.out)

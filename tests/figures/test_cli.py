@@ -111,16 +111,18 @@ def test_single_run_figure_refuses_a_folder_of_several_runs(capsys, runs, tmp_pa
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_single_run_figure_of_a_folder_with_one_run(capsys, runs, tmp_path):
-    """A folder holding one finished run is that run; the default output is next to the folder."""
+@pytest.mark.parametrize("name", ["sweep", "sweep.v2"])
+def test_single_run_figure_of_a_folder_with_one_run(capsys, runs, tmp_path, name):
+    """A folder holding one finished run is that run; the default output is next to the folder, named
+    after its whole name (a folder has no suffix to drop)."""
     import shutil
 
-    folder = tmp_path / "sweep"
+    folder = tmp_path / name
     folder.mkdir()
     shutil.copy(runs["sp_cliff"], folder / "sp_cliff.h5")
     code, out, err = run(capsys, "plot", "shares", folder)
     assert code == 0, err
-    assert out == [str(tmp_path / "sweep_shares.png")]
+    assert out == [str(tmp_path / f"{name}_shares.png")]
 
 
 def test_a_figure_of_the_current_folder_is_named_after_it(capsys, runs, tmp_path, monkeypatch):
