@@ -28,7 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from gradscope.errors import ConfigError, GradscopeError
-from gradscope.paths import atomic_output, check_output
+from gradscope.paths import atomic_output, check_derived_output
 from gradscope.ranges import DPI
 
 #: Okabe & Ito (2008), "Color Universal Design": distinguishable under the common colour-vision
@@ -150,7 +150,7 @@ def save(fig: Figure, path_stem: str | Path, formats: str | Sequence[str] = ("pn
     A suffix of ``path_stem`` that is one of the formats is dropped (``out/fig.png`` → ``out/fig``).
     PNGs get ``dpi`` (200–1200, ``gradscope.ranges.DPI``); PDF and SVG are vector. Folders are created as needed.
     Only regular files are replaced, each at once (``gradscope.paths.atomic_output``): ConfigError, and
-    nothing written, if any of the paths is a directory, link, device or FIFO.
+    nothing written, if any of the paths is a directory, link, device, FIFO or HDF5 file (a run file).
     """
     fmts = parse_formats(formats)
     DPI.check("dpi", dpi)
@@ -159,7 +159,7 @@ def save(fig: Figure, path_stem: str | Path, formats: str | Sequence[str] = ("pn
         stem = stem.with_suffix("")
     paths = [stem.parent / f"{stem.name}.{fmt}" for fmt in fmts]
     for path in paths:  # all refused before any is written
-        check_output(path)
+        check_derived_output(path)
     metadata = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None},
                 "svg": {"Date": None}}
     with theme():

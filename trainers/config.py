@@ -11,13 +11,13 @@ import argparse
 import dataclasses
 import difflib
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradscope.errors import ConfigError
+from gradscope.paths import read_text_file
 from gradscope.ranges import COUNT, WHOLE, Range
 from gradscope.trainers.flags import flag
 from gradscope.trainers.grpo_config import GRPOConfig
@@ -197,19 +197,9 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """
     import yaml  # only when a file is given
 
+    text = read_text_file(path, "--config file", MAX_CONFIG_BYTES)
     try:
-        st = os.stat(path)
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {path}: not a regular file")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"--config {path}: {st.st_size:,} bytes; at most {MAX_CONFIG_BYTES:,} are read")
-        with open(path, "rb") as fh:
-            text = fh.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start + 1})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gradscope.errors import GradscopeError
+from gradscope.errors import ConfigError, GradscopeError
 from gradscope.runfile import open_run
 from gradscope.trainers.sweep.grid import Cell, cell_config
 from gradscope.trainers.sweep.runs import FRESH
-from gradscope.trainers.sweep.scheduler import run_cells, write_manifest
+from gradscope.trainers.sweep.scheduler import check_folder, run_cells, write_manifest
 from gradscope.trainers.testbed import cache
 from gradscope.trainers.testbed.scales import DEFAULT_SCALE, SCALES
 
@@ -45,8 +45,12 @@ def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0, jobs: int 
     """Build the warm start (once per machine), then train the demo's runs ``jobs`` at a time; returns
     their run files (ip, sp, hot). Raises GradscopeError, naming its log, if a run fails."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cells = demo_cells(steps, threads)
+    check_folder(out_dir, cells)  # before the banner: a file or FIFO where the demo writes, one line, exit 2
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out_dir}: cannot create ({exc.strerror or exc})") from None
     # wall time: the runs' CPU seconds spread over the jobs, and no less than the longest run
     expected = max(steps, (2 * steps + HOT["steps"]) / min(jobs, len(cells))) * SECONDS_PER_STEP
     print(f"demo: Voting/math, IP and SP, {steps} steps each, and IP at 10x the learning rate for "

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 import re
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradscope.errors import ConfigError
-from gradscope.paths import kind_of
+from gradscope.paths import read_text_file
 
 ACTIONS = ("warn", "record", "checkpoint", "stop")
 AGGREGATES = ("median", "mean", "min", "max")
@@ -262,18 +261,7 @@ def load_rules(path: str | Path) -> list[Rule]:
     import yaml
 
     path = Path(path)
-    try:
-        st = os.stat(path)
-        kind = kind_of(st.st_mode)  # a FIFO would block the read, /dev/urandom never end it
-        if kind is not None:
-            raise ConfigError(f"cannot read alert file {path}: it is {kind}, not a file")
-        if st.st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"alert file {path} is {st.st_size:,} bytes; at most {MAX_FILE_BYTES:,} are read")
-        text = path.read_bytes()[:MAX_FILE_BYTES + 1].decode("utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read alert file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start + 1})") from None
+    text = read_text_file(path, "alert file", MAX_FILE_BYTES)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

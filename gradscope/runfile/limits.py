@@ -121,8 +121,8 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         raise _Expired
 
     signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_delay) if outer_delay else seconds)
-    try:
+    try:  # armed inside: a limit so short that it falls due at once is the same one-line error
+        signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_delay) if outer_delay else seconds)
         yield
     except _Expired:
         raise RunFileError(f"{what}: gave up after {seconds:g} s (set {TIMEOUT_ENV} to allow longer, 0 for "

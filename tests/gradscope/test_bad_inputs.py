@@ -226,6 +226,17 @@ def test_figure_and_table_outputs_never_replace_a_non_regular_file(tmp_path: Pat
         refused(argv(out), words, str(out))
         assert _snapshot(out) == before
     assert elsewhere.read_text() == "keep me"
+    # a run file (HDF5) is never replaced: a copy of the input under the output's name, the input itself,
+    # and an HDF5 file with a 512-byte user block before its signature
+    copy = tmp_path / f"copy{ext}"
+    copy.write_bytes(run.read_bytes())
+    blocked = tmp_path / f"blocked{ext}"
+    blocked.write_bytes(b"\0" * 512 + run.read_bytes()[:4096])
+    inputs = [copy, blocked] + ([run] if command == "table" else [])
+    for out in inputs:
+        before = _snapshot(out)
+        refused(argv(out), "is an HDF5 file (a run file?); refusing to write over it", str(out))
+        assert _snapshot(out) == before
     # a regular file is replaced, at once, with nothing left beside it
     regular = tmp_path / f"fresh{ext}"
     regular.write_text("old")
@@ -327,6 +338,25 @@ def test_read_budget_and_timeout_come_from_the_environment(run: Path, monkeypatc
     monkeypatch.setattr(analyses_cli, "load", load)
     monkeypatch.setenv("GRADSCOPE_READ_TIMEOUT", "0")  # no limit
     assert cli("analyze", run)[0] == 0
+
+
+def test_a_limit_that_falls_due_while_it_is_armed_is_the_same_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRADSCOPE_READ_TIMEOUT=0.000001: the timer fires inside the call that arms it."""
+    from gradscope.runfile import limits
+
+    real = limits.signal.setitimer
+
+    def arm_slowly(which, delay, *rest):  # the signal arrives before the call returns
+        previous = real(which, delay, *rest)
+        end = time.monotonic() + (0.2 if delay > 0 else 0)
+        while time.monotonic() < end:
+            pass
+        return previous
+
+    monkeypatch.setattr(limits.signal, "setitimer", arm_slowly)
+    with pytest.raises(RunFileError, match="gave up after 1e-06 s"):
+        with limits.deadline(1e-6, "reading"):
+            pass
 
 
 def test_deadline_fires_through_except_exception_and_keeps_an_outer_timer() -> None:

@@ -30,3 +30,20 @@ def test_a_failed_demo_run_names_its_log(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "HOT", dict(demo.HOT, steps=1, eval_every=1, policy="nope"))
     with pytest.raises(demo.GradscopeError, match=r"demo run 'hot' failed; its output is in .*hot\.log"):
         demo.run_demo(tmp_path, steps=1, jobs=3)
+
+
+def test_a_demo_folder_that_is_a_file_or_holds_the_wrong_kind_is_one_line_exit_2(tmp_path, capsys):
+    from gradscope.cli import main
+
+    text = tmp_path / "text.h5"
+    text.write_text("keep me")
+    odd = tmp_path / "odd"
+    (odd / "logs" / "ip.log").mkdir(parents=True)
+    for out, want in ((text, f"--out {text}: is a file, not a folder"),
+                      (odd, f"--out {odd}: logs/ip.log is a directory, not a file")):
+        assert main(["demo", "--out", str(out), "--steps", "1"]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert err == f"gradscope: error: {want}; move it away" or err == f"gradscope: error: {want}", err
+        assert "demo:" not in captured.out  # refused before the banner
+    assert text.read_text() == "keep me" and sorted(p.name for p in odd.iterdir()) == ["logs"]

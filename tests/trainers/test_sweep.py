@@ -245,3 +245,46 @@ def test_a_kept_run_trained_on_other_tasks_is_refused_before_any_run(tmp_path, c
         f.attrs["versions"] = json.dumps(versions)
     with pytest.warns(GradscopeWarning, match="1 run file.* before run files recorded their tasks"):
         assert [p[2] for p in scheduler.plan(cells, folder)] == [DONE]
+
+
+def test_a_sweep_file_or_folder_entry_of_the_wrong_kind_is_one_line_exit_2(tmp_path, capsys):
+    """A FIFO would block the sweep for ever, a directory where a file goes crash it: both are refused
+    before anything is written, as is a sweep file that is not UTF-8."""
+    good = write(tmp_path, "train:\n  steps: 1\ngrid:\n  seed: [0]\n  alert: ['coherence[voter] > 2']\n")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("train:\n  steps: 1 # café\n".encode("latin-1"))
+    cases = [(fifo, tmp_path / "o1", "it is a named pipe (FIFO), not a file"),
+             (latin1, tmp_path / "o2", "not UTF-8 text (byte 24)"),
+             (tmp_path, tmp_path / "o3", "it is a directory, not a file"),
+             (good, good, "is a file, not a folder")]
+    for name, make, want in ((".sweep.lock", os.mkdir, "a directory, not a file"),
+                             ("runs", lambda p: p.write_text(""), "a file, not a directory"),
+                             ("cells.json", os.mkfifo, "a named pipe (FIFO), not a file")):
+        folder = tmp_path / f"out_{name}"
+        folder.mkdir()
+        make(folder / name)
+        cases.append((good, folder, f"{name} is {want}; move it away"))
+    logs, cell = tmp_path / "out_log", expand(load_spec(good))[0].name
+    (logs / "logs" / f"{cell}.log").mkdir(parents=True)
+    cases.append((good, logs, f"logs/{cell}.log is a directory, not a file"))
+    for config, out, want in cases:
+        before = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
+        for dry in ([], ["--dry-run"]):
+            t0 = time.monotonic()
+            assert main(["sweep", str(config), "--out", str(out), *dry]) == 2, (config, out)
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("gradscope: error: ") and want in err and "\n" not in err, err
+            assert time.monotonic() - t0 < 60
+        assert (sorted(p.name for p in out.iterdir()) if out.is_dir() else None) == before
+
+
+def test_dry_run_prints_command_lines_a_shell_reads_back(tmp_path, capsys):
+    import shlex
+
+    config = write(tmp_path, "train:\n  steps: 1\ngrid:\n  seed: [0]\n  alert: ['coherence[voter] > 2']\n")
+    assert main(["sweep", str(config), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    name, command = capsys.readouterr().out.strip().split(": ", 1)
+    assert shlex.split(command)[:2] == ["gradscope", "train"]
+    assert shlex.split(command)[shlex.split(command).index("--alert") + 1] == "coherence[voter] > 2"

@@ -1,6 +1,7 @@
 """``gradscope sweep CONFIG.yaml [--jobs N] [--out DIR]``: check the whole grid, then run its cells."""
 from __future__ import annotations
 
+import shlex
 import shutil
 import signal
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 from gradscope.errors import ConfigError
 from gradscope.trainers.sweep.config import load_spec
 from gradscope.trainers.sweep.grid import expand
-from gradscope.trainers.sweep.scheduler import Outcome, folder_lock, plan, run_cells, write_manifest
+from gradscope.trainers.sweep.scheduler import Outcome, check_folder, folder_lock, plan, run_cells, write_manifest
 
 
 def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -> tuple[Path, Outcome | None]:
@@ -20,9 +21,10 @@ def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -
     spec = load_spec(config)
     cells = expand(spec)
     folder = Path(out) if out else Path("sweeps") / "out" / Path(config).stem
+    check_folder(folder, cells)
     if dry_run:
         for cell in cells:
-            print(f"{cell.name}: gradscope train {' '.join(cell.argv)} --out {cell.run_path(folder)}")
+            print(f"{cell.name}: {shlex.join(['gradscope', 'train', *cell.argv, '--out', str(cell.run_path(folder))])}")
         return folder, None
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from gradscope.errors import ConfigError
+from gradscope.paths import read_text_file
 
 #: Flags the sweep sets itself for every run.
 RESERVED = ("out", "overwrite", "resume")
@@ -88,10 +89,7 @@ def _where(path: Path, mark: yaml.Mark) -> str:
 def load_spec(path: str | Path) -> SweepSpec:
     """Parse and check the file's structure and flag names (values: :mod:`.grid`)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read sweep file ({exc.strerror or exc})") from None
+    text = read_text_file(path, "sweep file")
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:

@@ -14,6 +14,7 @@ import fcntl
 import functools
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradscope.errors import GradscopeWarning
+from gradscope.errors import ConfigError, GradscopeWarning
+from gradscope.paths import kind_of
 from gradscope.trainers.sweep.config import SweepError
 from gradscope.trainers.sweep.grid import Cell, cell_config, train_parser
 from gradscope.trainers.sweep.progress import Progress
@@ -59,6 +61,36 @@ def write_manifest(folder: Path, cells: list[Cell], config: Path) -> None:
     doc = {"config": str(config), "cells": [
         {"name": c.name, "run": str(c.run_path(Path("."))), "axes": c.axes} for c in cells]}
     (folder / MANIFEST).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+#: What a sweep writes in its folder: files (replaced or appended to) and folders.
+FILES = (".sweep.lock", MANIFEST, "sweep.yaml", "summary.csv", "table.md")
+FOLDERS = ("runs", "logs", "figures")
+
+
+def check_folder(folder: Path, cells: list[Cell]) -> None:
+    """ConfigError (one line, nothing written) unless ``folder`` is absent or a folder whose entries the
+    sweep writes are absent or of their kind: :data:`FILES` and every cell's log regular files (a FIFO
+    would block the sweep), :data:`FOLDERS` folders."""
+    def kind(path: Path) -> str | None:
+        try:
+            return kind_of(os.stat(path).st_mode) or "a file"
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ConfigError(f"--out {folder}: cannot check {path.name} ({exc.strerror or exc})") from None
+
+    got = kind(folder)
+    if got not in (None, "a directory"):
+        raise ConfigError(f"--out {folder}: is {got}, not a folder")
+    if got is None:
+        return
+    files = [folder / name for name in FILES] + [folder / "logs" / f"{c.name}.log" for c in cells]
+    for path in files + [folder / name for name in FOLDERS]:
+        want = "a directory" if path.name in FOLDERS and path.parent == folder else "a file"
+        got = kind(path)
+        if got not in (None, want):
+            raise ConfigError(f"--out {folder}: {path.relative_to(folder)} is {got}, not {want}; move it away")
 
 
 @contextmanager
@@ -145,7 +177,7 @@ def _start(cell: Cell, folder: Path, state: str) -> tuple[subprocess.Popen, obje
     if threads != "0":
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     log = open(folder / "logs" / f"{cell.name}.log", "a")
-    log.write(("\n" if log.tell() else "") + f"$ gradscope train {' '.join(argv)}\n")  # after a killed run's last line
+    log.write(("\n" if log.tell() else "") + f"$ {shlex.join(['gradscope', 'train', *argv])}\n")  # after a killed run's last line
     log.flush()
     proc = subprocess.Popen([*CHILD, "train", *argv], stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True,
