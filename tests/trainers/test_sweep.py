@@ -67,6 +67,11 @@ def write(tmp_path: Path, text: str, name: str = "sweep.yaml") -> Path:
     ("train:\n  steps: 0\n", ":2:10:", "--steps must be a whole number >= 1, got 0"),
     ("train:\n  steps: 0\ngrid:\n  seed: [0, 1]\n", ":2:10:", "--steps must be a whole number >= 1"),
     ("train:\n  steps: 5\ngrid:\n  seed: [0, 1]\n  lr: [0.001, -1]\n", ":5:15:", "--lr must be a finite number"),
+    # a fixed setting's value the error quotes without naming its flag: located there, grid or none
+    ("train:\n  steps: 1\n  workflow: bogus\ngrid:\n  seed: [0]\n", ":3:13:", "unknown workflow 'bogus'"),
+    ("train:\n  steps: 1\n  workflow: bogus\n", ":3:13:", "unknown workflow 'bogus'"),
+    ("train:\n  alert: ['garbage ((']\n", ":2:10:", "bad alert rule 'garbage (('"),
+    ("train:\n  task_file: nope.jsonl\ngrid:\n  seed: [0, 1]\n", ":2:14:", "nope.jsonl: cannot read task file"),
 ])
 def test_bad_sweep_files_exit_2_with_their_location(tmp_path, capsys, text, where, message):
     path = write(tmp_path, text)

@@ -32,13 +32,13 @@ class Cell:
 
     def where(self, message: str = "", fixed: Sequence[Setting] = ()) -> str:
         """The location of the setting a message names: the axis value or ``fixed`` (``train:``) setting
-        whose flag (``--name``) it names, else the axis value it quotes (the longest value, or part of
-        one), else the cell's first axis value ("" when it has none)."""
+        whose flag (``--name``) it names, else the axis value or ``fixed`` setting it quotes (the longest
+        value, or part of one), else the cell's first axis value ("" when it has none)."""
         for s in (*self.settings, *fixed):
             if re.search(rf"--{re.escape(s.flag.replace('_', '-'))}(?![\w-])", message):
                 return s.where
         best, where = 0, self.settings[0].where if self.settings else ""
-        for s in self.settings:
+        for s in (*self.settings, *fixed):
             values = s.value if isinstance(s.value, list) else [s.value]
             parts = {p for v in values for p in [str(v), *re.split(r"[,=\s]+", str(v))] if len(p) >= 2}
             score = max((len(p) for p in parts if p in message), default=0)
@@ -135,7 +135,8 @@ def cell_config(cell: Cell, parser: argparse.ArgumentParser | None = None, out: 
 def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser, path: Path,
                     fixed: Sequence[Setting] = ()) -> None:
     """The trainer's checks (workflow, policy map, alert rules, task files, ...) on every cell; an error is
-    located at the setting it names (an axis value or a ``fixed`` one), else at the cell's first axis value."""
+    located at the setting it names or quotes (an axis value or a ``fixed`` one), else at the cell's first axis
+    value."""
     from gradscope.trainers.train import validate
 
     seen: dict[str, str] = {}
