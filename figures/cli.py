@@ -41,7 +41,7 @@ def _load(run_files: list[str]) -> list:
         series, closed = data.load(path)
         if not closed:
             print(f"gradscope: note: {path}: the writer did not close the file (live or killed); "
-                  f"plotting its {len(series.gram)} committed records", file=sys.stderr)
+                  f"reading its {len(series.gram)} committed records", file=sys.stderr)
         out.append(series)
     return out
 
@@ -92,7 +92,7 @@ def make_figure(kind: str, series: list, args: argparse.Namespace):
         return alignment_figure(series[0], steps=_steps(args.steps), window=args.window, size=args.size)
     if kind == "updates":
         return updates_figure(series[0], size=args.size, smooth=args.smooth)
-    return sweep_figure(series, metric=args.metric, size=args.size)
+    return sweep_figure(series, metric=args.metric or "final", size=args.size)
 
 
 def plot_main(args: argparse.Namespace) -> int:
@@ -102,6 +102,8 @@ def plot_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"plot {kind} takes one run file, got {len(args.runs)}")
     if args.steps and kind != "alignment":
         raise ConfigError("--steps applies to plot alignment only")
+    if args.metric and kind != "sweep":
+        raise ConfigError("--metric applies to plot sweep only")
     run_files = _run_files(args.runs)
     if kind in SINGLE and Path(args.runs[0]).is_dir():
         _one_run_in(args.runs[0], run_files, kind)

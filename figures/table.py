@@ -175,8 +175,12 @@ def format_cell_table(df: pd.DataFrame, keys: Sequence[str], fmt: str = "md") ->
 
 def seed_table(runs: Iterable[RunLike], over: str = "seed", fmt: str = "md") -> str:
     """The Table-1 analogue of some runs: cells = workflow, task, model, policy and every other
-    setting that differs between the runs except ``over``; mean ± sd over ``over``."""
+    setting that differs between the runs except ``over``; mean ± sd over ``over``. ConfigError when
+    no run has a setting ``over`` (a typo would otherwise give one row per run, averaged over nothing)."""
     series = data.as_series_list(runs)
+    if series and not any(over in data.flat_config(s) for s in series):
+        raise ConfigError(f"--over {over}: no run has a setting of that name (the train flags' names, "
+                          f"e.g. seed, lr, kl_coef)")
     extra = data.varying_keys(series, exclude=(over,))
     keys = ["workflow", "task", "model", "policy", *extra]
     return format_cell_table(cell_table(summary_table(series, extra), keys), keys, fmt)

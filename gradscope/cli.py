@@ -198,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", default=None,
                    help="alignment: cosine matrices at these steps, e.g. 10,50,100 (default: a heatmap over all steps)")
     p.add_argument("--window", type=COUNT.arg, default=1, help="alignment: average over this many steps")
-    p.add_argument("--metric", choices=("final", "peak"), default="final",
-                   help="sweep: improvement of the final or the peak accuracy over the base")
+    p.add_argument("--metric", choices=("final", "peak"), default=None,
+                   help="sweep: improvement of the final (default) or the peak accuracy over the base")
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("table", help="summary table of runs: base, peak, final, delta, cliff")

@@ -84,6 +84,8 @@ def test_plot_panels_without_data_still_draw(capsys, runs, tmp_path):
     (["plot", "alignment", "{sp_ok}", "--steps", "a,b"], "--steps must be"),
     (["plot", "sweep", "{sp_noevals}"], "none of the runs has accuracy evaluations"),
     (["table", "{sp_ok}", "{tmp}/missing.h5"], "missing.h5: no such file"),
+    (["plot", "cliffs", "{sp_ok}", "--metric", "peak"], "--metric applies to plot sweep only"),
+    (["table", "{sp_ok}", "{sp_cliff}", "--over", "sede"], "--over sede: no run has a setting of that name"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, runs, tmp_path, argv, message):
     names = {k: str(v) for k, v in runs.items()}
