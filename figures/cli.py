@@ -109,7 +109,9 @@ def plot_main(args: argparse.Namespace) -> int:
         _one_run_in(args.runs[0], run_files, kind)
     series = _load(run_files)
     fig = make_figure(kind, series, args)
-    stem = Path(args.out) if args.out else default_stem(args.runs[0], kind)
+    stem = default_stem(args.runs[0], kind)
+    if args.out:  # a folder (existing, or written with a trailing slash): the default name inside it
+        stem = Path(args.out) / stem.name if Path(args.out).is_dir() or args.out.endswith("/") else Path(args.out)
     for path in save(fig, stem, formats, dpi=args.dpi):
         print(path)
     return 0

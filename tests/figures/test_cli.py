@@ -127,6 +127,15 @@ def test_single_run_figure_of_a_folder_with_one_run(capsys, runs, tmp_path, name
     assert out == [str(tmp_path / f"{name}_shares.png")]
 
 
+def test_an_out_folder_gets_the_default_name_inside_it(capsys, runs, tmp_path):
+    (tmp_path / "figs").mkdir()
+    for out, want in ((tmp_path / "figs", tmp_path / "figs" / "sp_cliff_cliffs.png"),
+                      (f"{tmp_path}/new/", tmp_path / "new" / "sp_cliff_cliffs.png")):
+        code, printed, err = run(capsys, "plot", "cliffs", runs["sp_cliff"], "--out", out)
+        assert code == 0 and printed == [str(want)] and want.is_file(), err
+    assert not (tmp_path / "figs.png").exists() and not (tmp_path / "new.png").exists()
+
+
 def test_a_figure_of_the_current_folder_is_named_after_it(capsys, runs, tmp_path, monkeypatch):
     """``plot shares .`` inside a sweep folder: the figure goes next to the folder, named after it."""
     import shutil
