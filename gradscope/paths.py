@@ -35,14 +35,15 @@ def read_text_file(path: str | os.PathLike[str], what: str, limit: int = 1 << 20
         kind = kind_of(st.st_mode)
         if kind is not None:
             raise ConfigError(f"cannot read {what} {path}: it is {kind}, not a file")
-        if st.st_size > limit:
-            raise ConfigError(f"{what} {path} is {st.st_size:,} bytes; at most {limit:,} are read")
         with open(path, "rb") as fh:
-            return fh.read(limit + 1).decode("utf-8")
+            data = fh.read(limit + 1)
+        if st.st_size > limit or len(data) > limit:  # the read too: the file may grow after the stat
+            raise ConfigError(f"{what} {path} is {max(st.st_size, len(data)):,} bytes; at most {limit:,} are read")
+        return data.decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start + 1})") from None
+        raise ConfigError(f"{what} {path}: not UTF-8 text (byte {exc.start + 1})") from None
 
 
 def fsync(path: str | os.PathLike[str]) -> None:

@@ -20,7 +20,7 @@ from gradscope.errors import ConfigError, GradscopeError
 from gradscope.runfile import open_run
 from gradscope.trainers.sweep.grid import Cell, cell_config
 from gradscope.trainers.sweep.runs import FRESH
-from gradscope.trainers.sweep.scheduler import check_folder, run_cells, write_manifest
+from gradscope.trainers.sweep.scheduler import MANIFEST, check_folder, run_cells, write_manifest
 from gradscope.trainers.testbed import cache
 from gradscope.trainers.testbed.scales import DEFAULT_SCALE, SCALES
 
@@ -46,7 +46,8 @@ def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0, jobs: int 
     their run files (ip, sp, hot). Raises GradscopeError, naming its log, if a run fails."""
     out_dir = Path(out_dir)
     cells = demo_cells(steps, threads)
-    check_folder(out_dir, cells)  # before the banner: a file or FIFO where the demo writes, one line, exit 2
+    # before the banner: a file, FIFO or folder where the demo writes is one line, exit 2
+    check_folder(out_dir, cells, files=(MANIFEST,), folders=("runs", "logs"))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -45,7 +45,7 @@ from gradscope.trainers.reward import Scorer, solver_answer
 from gradscope.trainers.rollout import Sampler
 from gradscope.trainers.sandbox import unavailable_reason
 from gradscope.trainers.tasks import check_answer, tasks_for
-from gradscope.trainers.tasks.base import Task, TaskSet
+from gradscope.trainers.tasks.base import Task, TaskSet, same_tasks
 from gradscope.trainers.testbed.scales import SCALES
 from gradscope.trainers.workflows import WORKFLOWS, Templates
 from gradscope.trainers.workflows.base import Episode, Workflow
@@ -162,15 +162,17 @@ def check_checkpoints(cfg: TrainConfig, tasks: TaskSet) -> Checkpoint | None:
 
 
 def check_same_tasks(out: str, stored: str | None, tasks: TaskSet) -> None:
-    """ConfigError when the run file ``out`` was made on other tasks than ``tasks`` (fingerprint
-    ``stored``, :meth:`TaskSet.fingerprint`); a GradscopeWarning when it does not say (``None``)."""
-    if stored is None:
-        warnings.warn(f"--resume: {out} was written before run files recorded their tasks: cannot check that "
-                      f"these settings still give the tasks it was trained on", GradscopeWarning, stacklevel=2)
-    elif stored != tasks.fingerprint():
+    """ConfigError when the run file ``out`` was made on other tasks than ``tasks`` (its fingerprint
+    ``stored``, :func:`same_tasks`); a GradscopeWarning (rank 0's) when that cannot be told."""
+    now = tasks.fingerprint()
+    same = same_tasks(stored, now)
+    if same is None and os.environ.get("RANK", "0") == "0":
+        warnings.warn(f"--resume: {out} does not record its tasks in this form (written before run files did, or "
+                      f"by another gradscope): cannot check that these settings still give the tasks it was trained "
+                      f"on", GradscopeWarning, stacklevel=2)
+    elif same is False:
         raise ConfigError(f"--resume: {out} was trained on other tasks ({stored}) than its settings give now "
-                          f"({tasks.fingerprint()}): the task generator, split or file changed; --overwrite starts "
-                          f"the run over")
+                          f"({now}): the task generator, split or file changed; --overwrite starts the run over")
 
 
 class Trainer:

@@ -129,6 +129,18 @@ def test_train_refuses_a_task_file_that_would_block(tmp_path: Path, no_model: No
     refused(["train", "--task-file", fifo, "--out", tmp_path / "run.h5"], "is a named pipe (FIFO), not a file")
 
 
+def test_train_refuses_a_config_file_that_would_block_or_is_not_one(tmp_path: Path, no_model: None) -> None:
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("steps: 2 # café\n".encode("latin-1"))
+    for path, words in ((fifo, "cannot read --config file"), (fifo, "it is a named pipe (FIFO), not a file"),
+                        (tmp_path / "missing.yaml", "cannot read --config file"), (tmp_path, "it is a directory"),
+                        (latin1, "--config file"), (latin1, "not UTF-8 text (byte 15)")):
+        refused(["train", "--config", path, "--out", tmp_path / "run.h5"], words, str(path))
+    assert not (tmp_path / "run.h5").exists()
+
+
 def test_every_numeric_train_field_has_a_range_that_accepts_its_default() -> None:
     from gradscope.trainers.config import RANGES, TrainConfig
     from gradscope.trainers.grpo_config import GRPO_RANGES, GRPOConfig

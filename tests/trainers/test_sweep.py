@@ -236,19 +236,25 @@ def test_a_kept_run_trained_on_other_tasks_is_refused_before_any_run(tmp_path, c
     assert main(["train", *cells[0].argv, "--out", str(run)]) == 0
     assert [p[2] for p in scheduler.plan(cells, folder)] == [DONE]  # the sweep's fingerprint is the trainer's
     before = run.read_bytes()
-    monkeypatch.setattr(scheduler, "_fingerprint", lambda cfg: "math:L1 20+4 0123456789abcdef")
+    monkeypatch.setattr(scheduler, "_fingerprint", lambda cfg: "math:L1 20+4 v1:0123456789abcdef")
     capsys.readouterr()
     assert main(["sweep", str(config), "--out", str(folder)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"gradscope: error: {run} was trained on other tasks (math:L1 20+4 ") and "\n" not in err
-    assert "(math:L1 20+4 0123456789abcdef: the task generator, split or file changed)" in err, err
+    assert "(math:L1 20+4 v1:0123456789abcdef: the task generator, split or file changed)" in err, err
     assert run.read_bytes() == before and not (folder / "logs").exists()
     monkeypatch.undo()
     with h5py.File(run, "r+", libver="latest") as f:  # as written before run files recorded their tasks
         versions = json.loads(f.attrs["versions"])
         del versions["tasks"]
         f.attrs["versions"] = json.dumps(versions)
-    with pytest.warns(GradscopeWarning, match="1 run file.* before run files recorded their tasks"):
+    with pytest.warns(GradscopeWarning, match=r"1 run file\(s\) to keep do not record their tasks"):
+        assert [p[2] for p in scheduler.plan(cells, folder)] == [DONE]
+    # a fingerprint of another scheme (a later gradscope hashing other fields) says nothing either way
+    with h5py.File(run, "r+", libver="latest") as f:
+        f.attrs["versions"] = json.dumps({**versions, "tasks": "math:L1 20+4 v1:ffffffffffffffff"})
+    monkeypatch.setattr(scheduler, "_fingerprint", lambda cfg: "math:L1 20+4 v2:0123456789abcdef")
+    with pytest.warns(GradscopeWarning, match=r"1 run file\(s\) to keep do not record their tasks"):
         assert [p[2] for p in scheduler.plan(cells, folder)] == [DONE]
 
 
@@ -271,6 +277,10 @@ def test_a_sweep_file_or_folder_entry_of_the_wrong_kind_is_one_line_exit_2(tmp_p
         folder.mkdir()
         make(folder / name)
         cases.append((good, folder, f"{name} is {want}; move it away"))
+    flat = tmp_path / "out_flat"  # logs/ a file: named before the logs it would hold
+    flat.mkdir()
+    (flat / "logs").write_text("")
+    cases.append((good, flat, "logs is a file, not a directory; move it away"))
     logs, cell = tmp_path / "out_log", expand(load_spec(good))[0].name
     (logs / "logs" / f"{cell}.log").mkdir(parents=True)
     cases.append((good, logs, f"logs/{cell}.log is a directory, not a file"))

@@ -24,6 +24,7 @@ from gradscope.trainers.tasks import (Task, TaskError, TaskFileError, TaskSet, a
                             load_humaneval, load_math_jsonl, load_tasks, normalise_answer,
                             sandbox_args, split, toy_body, toy_program)
 from gradscope.trainers.tasks import math as tmath
+from gradscope.trainers.tasks.base import same_tasks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,7 +222,7 @@ def test_the_fingerprint_changes_with_any_task_or_its_order():
     tasks = load_tasks("math", n_train=30, n_held_out=6, seed=2, level=1)
     again = load_tasks("math", n_train=30, n_held_out=6, seed=2, level=1)
     name, sizes, digest = tasks.fingerprint().split(" ")
-    assert (name, sizes) == ("math:L1", "30+6") and re.fullmatch(r"[0-9a-f]{16}", digest)
+    assert (name, sizes) == ("math:L1", "30+6") and re.fullmatch(r"v1:[0-9a-f]{16}", digest)
     assert again.fingerprint() == tasks.fingerprint()
     first = tasks.train[0]
     changed = [
@@ -235,6 +236,21 @@ def test_the_fingerprint_changes_with_any_task_or_its_order():
     ]
     prints = {t.fingerprint() for t in changed}
     assert len(prints) == len(changed) and tasks.fingerprint() not in prints
+    assert all(same_tasks(p, tasks.fingerprint()) is False for p in prints)
+    assert same_tasks(again.fingerprint(), tasks.fingerprint()) is True
+    other_scheme = tasks.fingerprint().replace(" v1:", " v2:")
+    assert same_tasks(None, tasks.fingerprint()) is None and same_tasks(other_scheme, tasks.fingerprint()) is None
+
+
+def test_the_fingerprint_of_a_task_file_does_not_depend_on_how_its_path_is_written(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"}
+                                                 for i in range(8)])
+    monkeypatch.chdir(tmp_path)
+    prints = {load_tasks("math", n_train=None, n_held_out=2, path=p).fingerprint()
+              for p in (path, "gsm.jsonl", f"./{path.name}")}
+    assert len(prints) == 1
+    path.write_text(path.read_text().replace("What is 3+1?", "What is 3+2?"))
+    assert load_tasks("math", n_train=None, n_held_out=2, path=path).fingerprint() not in prints  # edited
 
 
 # ------------------------------------------------------------------------------ JSONL loaders

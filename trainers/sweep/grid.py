@@ -41,7 +41,10 @@ class Cell:
         for s in (*self.settings, *fixed):
             values = s.value if isinstance(s.value, list) else [s.value]
             parts = {p for v in values for p in [str(v), *re.split(r"[,=\s]+", str(v))] if len(p) >= 2}
-            score = max((len(p) for p in parts if p in message), default=0)
+            # a fixed value counts only as a whole token: a short one ("ip", "10") would match inside words
+            found = [p for p in parts if (p in message if s in self.settings else
+                                          re.search(rf"(?<![\w.-]){re.escape(p)}(?![\w-])", message))]
+            score = max(map(len, found), default=0)
             if score > best:
                 best, where = score, s.where
         return where

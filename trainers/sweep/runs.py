@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gradscope.errors import ConfigError
 from gradscope.runfile.progress import run_progress
+from gradscope.trainers.tasks.base import same_tasks
 
 DONE, RESUME, FRESH = "done", "resume", "fresh"
 #: Config keys a cell may change without invalidating its run file.
@@ -44,13 +45,16 @@ def run_state(path: Path, steps: int) -> RunState:
     return RunState(FRESH, 0, config, tasks)
 
 
-def check_same_tasks(path: Path, stored: str | None, wanted: str) -> None:
+def check_same_tasks(path: Path, stored: str | None, wanted: str) -> bool:
     """ConfigError when the run file at ``path`` was trained on other tasks (fingerprint ``stored``)
-    than the cell's settings give now (``wanted``); ``stored`` None (not recorded) passes."""
-    if stored is not None and stored != wanted:
+    than the cell's settings give now (``wanted``); False when that cannot be told (not recorded, or
+    another scheme: :func:`same_tasks`), True when they are the same."""
+    same = same_tasks(stored, wanted)
+    if same is False:
         raise ConfigError(f"{path} was trained on other tasks ({stored}) than its cell's settings give now "
                           f"({wanted}: the task generator, split or file changed); sweep into another --out folder "
                           "or delete the run")
+    return bool(same)
 
 
 def check_same_config(path: Path, stored: dict | None, wanted: dict, defaults: dict | None = None) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fcntl
-import functools
 import json
 import os
 import shlex
@@ -20,10 +19,11 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradscope.errors import ConfigError, GradscopeWarning
 from gradscope.paths import kind_of
@@ -32,6 +32,9 @@ from gradscope.trainers.sweep.grid import Cell, cell_config, train_parser
 from gradscope.trainers.sweep.progress import Progress
 from gradscope.runfile.progress import run_progress
 from gradscope.trainers.sweep.runs import DONE, RESUME, check_same_config, check_same_tasks, run_state
+
+if TYPE_CHECKING:
+    from gradscope.trainers.config import TrainConfig
 
 MANIFEST = "cells.json"
 #: ``gradscope`` in a child interpreter, whatever the working directory holds (``-m`` would put the
@@ -68,26 +71,29 @@ FILES = (".sweep.lock", MANIFEST, "sweep.yaml", "summary.csv", "table.md")
 FOLDERS = ("runs", "logs", "figures")
 
 
-def check_folder(folder: Path, cells: list[Cell]) -> None:
-    """ConfigError (one line, nothing written) unless ``folder`` is absent or a folder whose entries the
-    sweep writes are absent or of their kind: :data:`FILES` and every cell's log regular files (a FIFO
-    would block the sweep), :data:`FOLDERS` folders."""
+def check_folder(folder: Path, cells: list[Cell], files: Sequence[str] = FILES,
+                 folders: Sequence[str] = FOLDERS) -> None:
+    """ConfigError (one line, nothing written) unless ``folder`` is absent or a folder whose entries a
+    sweep writes are absent or of their kind: ``folders`` folders, ``files`` and every cell's
+    ``logs/<cell>.log`` regular files (a FIFO would block the sweep, a folder crash it)."""
     def kind(path: Path) -> str | None:
         try:
             return kind_of(os.stat(path).st_mode) or "a file"
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise ConfigError(f"--out {folder}: cannot check {path.name} ({exc.strerror or exc})") from None
+            raise ConfigError(f"--out {folder}: cannot check {path.relative_to(folder)} ({exc.strerror or exc})") \
+                from None
 
     got = kind(folder)
     if got not in (None, "a directory"):
         raise ConfigError(f"--out {folder}: is {got}, not a folder")
     if got is None:
         return
-    files = [folder / name for name in FILES] + [folder / "logs" / f"{c.name}.log" for c in cells]
-    for path in files + [folder / name for name in FOLDERS]:
-        want = "a directory" if path.name in FOLDERS and path.parent == folder else "a file"
+    wanted = [(folder / name, "a directory") for name in folders]  # first: logs/ before the logs in it
+    wanted += [(folder / name, "a file") for name in files]
+    wanted += [(folder / "logs" / f"{c.name}.log", "a file") for c in cells]
+    for path, want in wanted:
         got = kind(path)
         if got not in (None, want):
             raise ConfigError(f"--out {folder}: {path.relative_to(folder)} is {got}, not {want}; move it away")
@@ -109,10 +115,11 @@ def folder_lock(folder: Path) -> Iterator[None]:
 def plan(cells: list[Cell], folder: Path) -> list[tuple[Cell, int, str, int]]:
     """(cell, steps, state, steps already done) of every cell; ConfigError if a run file in the
     folder was trained with other settings than its cell's, or (one to be kept: finished or resumed)
-    on other tasks than they give now. One GradscopeWarning for kept run files that do not record
-    their tasks (written before run files did): those are not checked."""
+    on other tasks than they give now. One GradscopeWarning for kept run files whose tasks cannot be
+    checked (written before run files recorded them)."""
     parser = train_parser()
     out, unchecked = [], 0
+    fingerprints: dict[tuple, str] = {}  # cells differing only in workflow, policy, lr, ... share their tasks
     for cell in cells:
         path = cell.run_path(folder)
         cfg = cell_config(cell, parser, path)
@@ -121,33 +128,24 @@ def plan(cells: list[Cell], folder: Path) -> list[tuple[Cell, int, str, int]]:
             wanted = json.loads(json.dumps(dataclasses.asdict(cfg.resolved())))
             check_same_config(path, st.config, wanted, _defaults())
         if st.state in (DONE, RESUME):
-            if st.tasks is None:
-                unchecked += 1
-            else:
-                check_same_tasks(path, st.tasks, _fingerprint(cfg))
+            key = (cfg.task, cfg.task_file, cfg.task_level, cfg.n_train, cfg.n_held_out, cfg.seed)
+            if key not in fingerprints:
+                fingerprints[key] = _fingerprint(cfg)
+            unchecked += not check_same_tasks(path, st.tasks, fingerprints[key])
         out.append((cell, cfg.steps, st.state, st.steps_done))
     if unchecked:
-        warnings.warn(f"{folder}: {unchecked} run file(s) to keep were written before run files recorded their "
-                      "tasks: not checked against the tasks their settings give now", GradscopeWarning, stacklevel=2)
+        warnings.warn(f"{folder}: {unchecked} run file(s) to keep do not record their tasks (written before run files "
+                      "did): not checked against the tasks their settings give now", GradscopeWarning, stacklevel=2)
     return out
 
 
-def _fingerprint(cfg) -> str:
+def _fingerprint(cfg: TrainConfig) -> str:
     """The fingerprint of the tasks a cell's config gives (:meth:`TaskSet.fingerprint`)."""
-    return _task_fingerprint(cfg.task, cfg.task_file, cfg.task_level, cfg.n_train, cfg.n_held_out, cfg.seed)
-
-
-@functools.lru_cache(maxsize=None)  # cells differing only in workflow or policy share their tasks
-def _task_fingerprint(task: str, task_file: str | None, task_level: int, n_train: int, n_held_out: int,
-                      seed: int) -> str:
-    from types import SimpleNamespace
-
     from gradscope.trainers.tasks import tasks_for
 
     with warnings.catch_warnings():  # the trainer warns about a repeating level, once per run
         warnings.simplefilter("ignore", GradscopeWarning)
-        return tasks_for(SimpleNamespace(task=task, task_file=task_file, task_level=task_level, n_train=n_train,
-                                         n_held_out=n_held_out, seed=seed)).fingerprint()
+        return tasks_for(cfg).fingerprint()
 
 
 def _defaults() -> dict:

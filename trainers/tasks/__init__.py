@@ -9,6 +9,7 @@ import itertools
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradscope.errors import GradscopeWarning
 
@@ -17,6 +18,9 @@ from .code import (build_program, generate_toy_code, load_humaneval, sandbox_arg
                    toy_program)
 from .math import (answers_equivalent, answers_match, check_answer, extract_answer, generate_math, is_correct,
                    load_math_jsonl, normalise_answer)
+
+if TYPE_CHECKING:
+    from gradscope.trainers.config import TrainConfig
 
 __all__ = [
     "Task", "TaskSet", "TaskError", "TaskFileError", "split", "load_tasks", "tasks_for", "TASK_NAMES",
@@ -79,10 +83,10 @@ def load_tasks(
                     f"choose from {', '.join(TASK_NAMES)}")
 
 
-def tasks_for(cfg) -> TaskSet:
-    """The tasks a training config trains and evaluates on (a ``TrainConfig``, or anything with its
-    ``task``, ``task_file``, ``task_level``, ``n_train``, ``n_held_out`` and ``seed``): a task file or
-    HumanEval trains on every task not held out, whatever ``n_train`` says."""
+def tasks_for(cfg: TrainConfig) -> TaskSet:
+    """The tasks a training config trains and evaluates on (its ``task``, ``task_file``, ``task_level``,
+    ``n_train``, ``n_held_out`` and ``seed``): a task file or HumanEval trains on every task not held
+    out, whatever ``n_train`` says."""
     n_train = None if cfg.task_file or cfg.task.endswith("humaneval") else cfg.n_train
     return load_tasks(cfg.task, n_train=n_train, n_held_out=cfg.n_held_out, seed=cfg.seed,
                       level=cfg.task_level, path=cfg.task_file)

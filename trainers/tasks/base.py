@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from gradscope.errors import ConfigError, TaskFileError
 
-__all__ = ["Task", "TaskSet", "TaskError", "TaskFileError", "split", "rng_for"]
+__all__ = ["Task", "TaskSet", "TaskError", "TaskFileError", "split", "rng_for", "same_tasks"]
 
 KINDS = ("math", "code")
 
@@ -57,14 +57,32 @@ class TaskSet:
         return len(self.train) + len(self.held_out)
 
     def fingerprint(self) -> str:
-        """``"NAME TRAIN+HELD_OUT DIGEST"``: the name, the sizes and the first 16 hex digits of the
-        sha256 of both lists (every task's id, kind, prompt, answer and meta, in order). Equal
-        fingerprints: the same tasks in the same order; a run file keeps it (``versions["tasks"]``) so
-        that a resume or a sweep can tell when the same settings now give other tasks (a changed
-        generator or split, an edited task file)."""
-        doc = [[[t.id, t.kind, t.prompt, t.answer, t.meta] for t in part] for part in (self.train, self.held_out)]
-        digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=repr).encode()).hexdigest()[:16]
-        return f"{self.name} {len(self.train)}+{len(self.held_out)} {digest}"
+        """``"NAME TRAIN+HELD_OUT v1:DIGEST"``: the name, the sizes and the first 16 hex digits of the
+        sha256 of both lists (every task's id, kind, prompt, answer and meta but the task file's path, in
+        order), after the scheme tag :data:`FINGERPRINT_SCHEME`. Equal fingerprints: the same tasks in
+        the same order; a run file keeps it (``versions["tasks"]``) so that a resume or a sweep can tell
+        when the same settings now give other tasks (a changed generator or split, an edited task
+        file): :func:`same_tasks`."""
+        doc = [[[t.id, t.kind, t.prompt, t.answer, {k: v for k, v in t.meta.items() if k != "file"}]
+                for t in part] for part in (self.train, self.held_out)]
+        # no default=: a meta value JSON cannot hold fails here rather than hash by its repr (an address)
+        digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{self.name} {len(self.train)}+{len(self.held_out)} {FINGERPRINT_SCHEME}:{digest}"
+
+
+#: What :meth:`TaskSet.fingerprint` hashes, by version: a fingerprint of another scheme says nothing.
+FINGERPRINT_SCHEME = "v1"
+
+
+def same_tasks(stored: str | None, now: str) -> bool | None:
+    """Whether a recorded fingerprint ``stored`` names the same tasks as ``now`` (both
+    :meth:`TaskSet.fingerprint`); None when it cannot tell: nothing recorded, or another scheme."""
+    def scheme(fingerprint: str) -> str:
+        return fingerprint.rpartition(" ")[2].partition(":")[0]
+
+    if stored is None or scheme(stored) != scheme(now):
+        return None
+    return stored == now
 
 
 def rng_for(seed: int, *salt: object) -> random.Random:
