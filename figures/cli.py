@@ -20,6 +20,7 @@ matplotlib.use("Agg")  # files only: never open a window, never need a display
 
 from gradscope.figures import data  # noqa: E402
 from gradscope.figures.style import parse_formats, save  # noqa: E402
+from gradscope.figures.sweepdir import expand_paths  # noqa: E402
 from gradscope.errors import ConfigError  # noqa: E402
 from gradscope.paths import atomic_output  # noqa: E402
 
@@ -27,15 +28,8 @@ KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep", "updates")
 SINGLE = ("shares", "alignment", "updates")
 
 
-def _run_files(paths: list[str]) -> list[str]:
-    """Run-file arguments with a folder (a sweep's) replaced by its finished runs."""
-    from gradscope.figures.sweepdir import expand_paths
-
-    return expand_paths(paths)
-
-
 def _load(run_files: list[str]) -> list:
-    """The runs of :func:`_run_files`' list."""
+    """The runs of run files (a sweep folder given on the command line: ``expand_paths``' list of its runs)."""
     out = []
     for path in run_files:
         series, closed = data.load(path)
@@ -89,7 +83,7 @@ def make_figure(kind: str, series: list, args: argparse.Namespace):
     if kind == "shares":
         return shares_figure(series[0], size=args.size, smooth=args.smooth)
     if kind == "alignment":
-        return alignment_figure(series[0], steps=_steps(args.steps), window=args.window, size=args.size)
+        return alignment_figure(series[0], steps=_steps(args.steps), window=args.window or 1, size=args.size)
     if kind == "updates":
         return updates_figure(series[0], size=args.size, smooth=args.smooth)
     return sweep_figure(series, metric=args.metric or "final", size=args.size)
@@ -104,14 +98,16 @@ def plot_main(args: argparse.Namespace) -> int:
         raise ConfigError("--steps applies to plot alignment only")
     if args.metric and kind != "sweep":
         raise ConfigError("--metric applies to plot sweep only")
-    run_files = _run_files(args.runs)
+    if args.window is not None and kind != "alignment":
+        raise ConfigError("--window applies to plot alignment only")
+    run_files = expand_paths(args.runs)
     if kind in SINGLE and Path(args.runs[0]).is_dir():
         _one_run_in(args.runs[0], run_files, kind)
     series = _load(run_files)
     fig = make_figure(kind, series, args)
-    stem = default_stem(args.runs[0], kind)
-    if args.out:  # a folder (existing, or written with a trailing slash): the default name inside it
-        stem = Path(args.out) / stem.name if Path(args.out).is_dir() or args.out.endswith("/") else Path(args.out)
+    stem = Path(args.out) if args.out else default_stem(args.runs[0], kind)
+    if args.out and (stem.is_dir() or args.out.endswith("/")):  # a folder: the default name inside it
+        stem = stem / default_stem(args.runs[0], kind).name
     for path in save(fig, stem, formats, dpi=args.dpi):
         print(path)
     return 0
@@ -120,7 +116,7 @@ def plot_main(args: argparse.Namespace) -> int:
 def table_main(args: argparse.Namespace) -> int:
     from gradscope.figures.table import format_table, seed_table, summary_table
 
-    series = _load(_run_files(args.runs))
+    series = _load(expand_paths(args.runs))
     text = seed_table(series, args.over, args.format) if args.over else format_table(summary_table(series), args.format)
     if args.out:
         out = Path(args.out)

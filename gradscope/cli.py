@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smooth", type=COUNT.arg, default=1, help="rolling mean over N steps for gradient curves")
     p.add_argument("--steps", default=None,
                    help="alignment: cosine matrices at these steps, e.g. 10,50,100 (default: a heatmap over all steps)")
-    p.add_argument("--window", type=COUNT.arg, default=1, help="alignment: average over this many steps")
+    p.add_argument("--window", type=COUNT.arg, default=None, help="alignment: average over this many steps (default 1)")
     p.add_argument("--metric", choices=("final", "peak"), default=None,
                    help="sweep: improvement of the final (default) or the peak accuracy over the base")
     p.set_defaults(func=_cmd_plot)

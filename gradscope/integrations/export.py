@@ -35,9 +35,13 @@ def export_run(path: str | os.PathLike[str], to: str, dest: str | os.PathLike[st
             uniq, cols = step_scalars(run.gram, run.tokens, run.step, meta.agents, meta.agent_roles)
             for t, step in enumerate(uniq.tolist()):
                 scalars[step].update({name: values[t] for name, values in cols.items()})
+        statistics = set(cols) if run.n_steps else set()
         for table, prefix in ((run.metrics, ""), (run.evals, "eval/")):
             for step, name, value in zip(table["step"], table["name"], table["value"]):
-                scalars[int(step)][scalar_name(prefix + name)] = value
+                tag = scalar_name(prefix + name)
+                if tag in statistics:  # a metric named like a statistic (TRL's grad_norm) never replaces it
+                    tag = scalar_name("metric/" + name)
+                scalars[int(step)][tag] = value
         events = run.events
         for step, kind, severity, message in zip(events["step"], events["kind"], events["severity"], events["message"]):
             texts[int(step)].append(event_line(kind, severity, message))

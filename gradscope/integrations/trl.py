@@ -38,7 +38,7 @@ from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 
 from gradscope.errors import ProbeError
-from gradscope.integrations.scalars import finite_items, step_scalars
+from gradscope.integrations.scalars import PREFIX, finite_items, step_scalars
 from gradscope.probe import Probe, StepResult
 from gradscope.probe.updates import UNITS as UPDATE_UNITS
 from gradscope.runfile import RunMeta, RunWriter
@@ -54,9 +54,10 @@ def agent_ids(values: Sequence[Any], completion_mask: torch.Tensor, loss_mask: t
     """(B, C) agent index of every completion token; -1 where the loss mask is 0.
 
     Args:
-        values: per completion, an agent name (the whole completion is that agent's) or a list with
-            one agent name (or None: no agent) per completion token.
-        completion_mask: (B, C) 1 for the completion's tokens (right-padded).
+        values: per completion, an agent name (the whole completion is that agent's), a list with
+            one agent name (or None: no agent) per completion token, or None (no agent's).
+        completion_mask: (B, C) 1 for the completion's tokens (right-padded); a row of zeros (a
+            completion TRL masked out whole, ``mask_truncated_completions``) takes any value.
         loss_mask: (B, C) 1 for the tokens the loss trains (completion mask x tool/env mask).
         index: agent name → row of the Gram.
     """
@@ -66,6 +67,13 @@ def agent_ids(values: Sequence[Any], completion_mask: torch.Tensor, loss_mask: t
     for b, value in enumerate(values):
         if isinstance(value, str):
             ids[b, :] = _index(index, value, b)
+            continue
+        if value is None:  # the whole completion is no agent's: none of its tokens may be trained
+            continue
+        if not isinstance(value, Sequence):
+            raise ProbeError(f"completion {b}: agent {value!r} is neither an agent name nor a list of one agent "
+                             f"name per completion token")
+        if not lengths[b]:  # masked out whole (TRL's mask_truncated_completions): it trains nothing
             continue
         names = list(value)
         if len(names) != lengths[b]:
@@ -165,7 +173,9 @@ class GradscopeGRPOTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log(logs, start_time)
         if self._writer is not None and "loss" in logs:  # a training log (TRL merged its metrics in)
-            self._writer.log_metrics(self.state.global_step, finite_items(logs))
+            # not the gradscope/ statistics merged in: the run file holds their records, export derives them
+            ours = {k: v for k, v in logs.items() if not k.startswith(PREFIX)}
+            self._writer.log_metrics(self.state.global_step, finite_items(ours))
 
     # ------------------------------------------------------------------ agents of the completions
     def _agent_of(self, example: dict[str, Any]) -> Any:

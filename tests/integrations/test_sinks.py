@@ -65,6 +65,22 @@ def test_export_tensorboard(ip_run, tmp_path, capsys):
     assert "cliff" in next(iter(texts["gradscope/findings"].values()))
 
 
+def test_a_metric_named_like_a_statistic_never_replaces_it(ip_run, tmp_path, capsys):
+    """TRL logs its own ``grad_norm``: exported beside the statistic as gradscope/metric/grad_norm."""
+    import shutil
+
+    run = tmp_path / "run.h5"
+    shutil.copy(ip_run, run)
+    with RunWriter.resume(run, keep_below_step=10**9) as w:
+        w.log_metrics(4, {"grad_norm": 123.0, "norm/voter": 7.0})
+    _export(run, "tensorboard", tmp_path / "tb", capsys)
+    values = readback.tensorboard_scalars(tmp_path / "tb")
+    want = expected(ip_run, 4)
+    assert values["gradscope/grad_norm"][4] == pytest.approx(want["gradscope/grad_norm"], rel=1e-5)
+    assert values["gradscope/norm/voter"][4] == pytest.approx(want["gradscope/norm/voter"], rel=1e-5)
+    assert values["gradscope/metric/grad_norm"][4] == 123.0 and values["gradscope/metric/norm/voter"][4] == 7.0
+
+
 def test_export_wandb_offline(ip_run, tmp_path, capsys):
     _export(ip_run, "wandb", tmp_path, capsys)
     history = readback.wandb_history(tmp_path)

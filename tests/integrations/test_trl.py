@@ -88,6 +88,8 @@ def test_run_file_and_trl_logs(tmp_path):
         np.testing.assert_allclose(r.gram[-1], trainer.gradscope_last.gram)
         metrics = r.metrics_wide()
         np.testing.assert_allclose(np.sqrt(r.gram.sum(axis=(1, 2))), metrics["grad_norm"].to_numpy(), rtol=1e-5)
+        # the statistics TRL's logs carry are the records' (export derives them), not stored again as metrics
+        assert "loss" in metrics and not [n for n in metrics if str(n).startswith("gradscope/")], list(metrics)
     # report_to: TRL's own TensorBoard callback wrote the gradscope statistics beside its metrics.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -167,3 +169,21 @@ def test_accelerate_two_processes_equal_one(tmp_path):
     np.testing.assert_allclose(b["gram"], a["gram"], rtol=0, atol=1e-5 * np.abs(a["gram"]).max())
     assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=1e-5)
     assert np.sqrt(b["gram"].sum()) == pytest.approx(float(b["grad_norm"]), rel=1e-5)
+
+
+def test_agent_ids_of_masked_out_unnamed_and_bad_values():
+    """A completion TRL masked out whole (mask_truncated_completions) takes any value; None: no agent's (its
+    trained tokens an error); a value neither a name nor a per-token list: a ProbeError naming it."""
+    from gradscope.integrations.trl import agent_ids
+
+    index = {"voter0": 0, "aggregator": 1}
+    completion = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]])
+    ids = agent_ids([["voter0", "voter0", "aggregator"], ["voter0"] * 4, "aggregator"], completion, completion, index)
+    assert ids.tolist() == [[0, 0, 1, -1], [-1] * 4, [1, 1, -1, -1]]
+    untrained = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    ids = agent_ids(["voter0", "voter0", None], untrained, untrained, index)
+    assert ids.tolist() == [[0, 0, 0, -1], [-1] * 4, [-1] * 4]
+    with pytest.raises(ProbeError, match=r"completion\(s\) \[2\] have trained tokens without an agent"):
+        agent_ids(["voter0", "voter0", None], completion, completion, index)
+    with pytest.raises(ProbeError, match="completion 0: agent 3 is neither an agent name nor a list"):
+        agent_ids([3, "voter0", "voter0"], completion, completion, index)
