@@ -273,6 +273,7 @@ class HooksMethod(GramMethod):
         self._reasons: list[str] = []
         self._check: Store | None = None      # split's per-agent gradients of a step being checked
         self._checkable = True
+        self._told_unverifiable = False  # the scalar-loss warning was given (once per probe)
         self._unverified: list[_Piece] = []   # calls whose batch dimension the check must confirm
         self._checked_calls = 0               # this step's hooks-attributed calls the check also measured
         self.warnings: list[str] = []         # of the step that just ended
@@ -625,6 +626,11 @@ class HooksMethod(GramMethod):
             return self._split(terms(), retain_graph, fb.reason, str(fb))
         if self._check is not None and terms is None:
             self._checkable = False  # a scalar loss cannot be split: the check waits for a later step
+            if not self._told_unverifiable:  # once per probe: a scalar-loss loop may never be checked
+                self._told_unverifiable = True
+                self._warn("the self-check cannot verify a scalar loss's attribution (it needs per-row or per-token "
+                           "losses) and waits for a step with them: until then the Gram is right only if the model "
+                           "keeps its rows independent (no BatchNorm or other term across rows)")
         self._unverified += ambiguous
         self._checked_calls += checking
         calls = [(p, p.inputs, p.edge) for f in live for p in f.pieces if p.inputs is not None] if checking else []
@@ -640,15 +646,17 @@ class HooksMethod(GramMethod):
                              "(gradient_checkpointing_kwargs={'use_reentrant': False}) or method='split'")
         if self._missed or not all(f.consumed for f in live):
             raise ProbeError("hooks: the backward reached hooked layers of a forward that is not among this "
-                             "call's (already back-propagated with retain_graph?); use method='split' for this loop")
+                             "call's: one already back-propagated (retain_graph), or made before the previous "
+                             "backward (a forward is kept until the next backward only: run each forward just before "
+                             "its backward); use method='split' for this loop")
         if checking:
             self._check_call(calls, terms(), loss, retain_graph)
 
     def _match(self, live: list[_Forward], row_agents: torch.Tensor | None, loss: torch.Tensor) -> list[_Forward]:
         """Give every forward the loss reaches the agents of its rows and every layer call its batch
         dimension; returns those forwards."""
-        if len([f for f in live if f.tag is None]) > 1 or (len(live) > 1 and any(f.tag is None for f in live)):
-            reachable = _reachable_nodes(loss)  # forwards never back-propagated (stale) do not count
+        if len(live) > 1:  # forwards never back-propagated (stale, tagged or not) are no candidates
+            reachable = _reachable_nodes(loss)
             live = [f for f in live if any(id(p.edge.node) in reachable for p in f.pieces)]
         if not live and self._aux:
             raise _Fallback("unmatched-rows", "the forward was already back-propagated by a backward outside the "
@@ -656,9 +664,10 @@ class HooksMethod(GramMethod):
                                               "regulariser's); hooks attributes only a forward's first backward")
         if not live:
             raise _Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
-                                              "since the previous backward (reentrant gradient checkpointing, "
-                                              "use_reentrant=True, runs the checkpointed layers without grad: "
-                                              "use use_reentrant=False)")
+                                              "since the previous backward (a forward made before the previous "
+                                              "backward is not kept: run each forward just before its backward; "
+                                              "or reentrant gradient checkpointing, use_reentrant=True, ran the "
+                                              "checkpointed layers without grad: use use_reentrant=False)")
         if row_agents is None:  # also for tagged forwards: a row's gradient mixes its agents, whatever its tag
             raise _Fallback("mixed-rows", "a row holds tokens of several agents")
         untagged = [f for f in live if f.tag is None]

@@ -364,6 +364,8 @@ class ProbeStep:
         if token_loss.shape != agent_ids.shape:
             raise ProbeError(f"token_loss {tuple(token_loss.shape)} and agent_ids {tuple(agent_ids.shape)} "
                              "must have the same shape")
+        if agent_ids.numel() and int(agent_ids.min()) < -1:  # as backward_rows and rows(): only -1 means no agent
+            raise ProbeError(f"agent ids must be in [-1, {len(self.tokens) - 1}], got {int(agent_ids.min())}")
         unowned = agent_ids < 0
         if bool((token_loss.detach()[unowned] != 0).any()):
             raise ProbeError("tokens with agent id -1 carry non-zero loss; mask them out or attribute them")

@@ -389,6 +389,26 @@ def test_scalar_loss_with_row_agents():
             s.backward_rows(token_loss.sum(), ids.max(1).values)
 
 
+def test_a_scalar_loss_the_self_check_cannot_verify_is_said_once():
+    """A scalar loss gives the self-check nothing to split: the first such step warns that the Gram rests on
+    rows being independent (a model mixing rows would be wrong unseen); later steps do not repeat it."""
+    model = lora_model("sp", torch.float32)
+    call = LMCase(model, "sp").call(list(range(8)))
+    probe = Probe(model, AGENTS, ROLES)
+    said = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with probe.step(step) as s:
+                token_loss, ids = call(s)
+                s.backward_rows(token_loss.sum(1).mean(), ids.max(1).values)
+        said.append([str(w.message) for w in caught if "cannot verify a scalar loss" in str(w.message)])
+        assert s.result.method == "hooks"  # never "hooks+check": nothing was checked
+    assert len(said[0]) == 1 and "rows independent" in said[0][0] and said[1] == []
+    probe.close()
+
+
 def test_backward_rows_bad_input():
     model = lora_model("sp", torch.float32)
     probe = Probe(model, AGENTS, ROLES)
@@ -397,6 +417,8 @@ def test_backward_rows_bad_input():
             s.backward_rows(torch.zeros(3, requires_grad=True), [0, 1])
         with pytest.raises(ProbeError, match="agent ids must be in"):
             s.backward_rows(torch.zeros(2, requires_grad=True), [0, 9])
+        with pytest.raises(ProbeError, match=r"agent ids must be in \[-1, 3\], got -2"):
+            s.backward_tokens(torch.zeros(2, 3, requires_grad=True), torch.tensor([[0, -2, 1], [1, 1, -1]]))
         with pytest.raises(ProbeError, match="non-zero loss"):
             s.backward_rows(torch.ones(2, requires_grad=True), ["voter0", None])
         with pytest.raises(ProbeError, match="unknown agent"):
@@ -442,3 +464,35 @@ def test_a_forward_never_back_propagated_is_not_a_candidate():
         s.backward_tokens(*call())
     assert s.result.method == "hooks+check" and probe._method.fallback_calls == 0
     assert rel_err(s.result.gram, expected) < 1e-5 and kept.requires_grad
+
+
+@pytest.mark.parametrize("stale_tagged", [True, False])
+def test_a_forward_never_back_propagated_is_no_candidate_tagged_or_not(stale_tagged):
+    """A grad-enabled forward the loss does not reach (for logging, say) next to the tagged forward the
+    backward goes through: the Gram is the brute force's, by hooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+    agents, roles = ["a", "b", "c"], {"a": "x", "b": "y", "c": "y"}
+    rows, X = [0, 1, 2, 0, 1, 2], torch.randn(6, 4, 6)
+    probe = Probe(model, agents, roles)
+    with probe.step(0) as s:
+        if stale_tagged:
+            with s.rows(rows):
+                model(X * 3)
+        else:
+            model(X * 3)
+        with s.rows(rows):
+            token_loss = (model(X) ** 2).sum(-1)                              # (6, 4)
+        ids = torch.tensor(rows)[:, None].expand(6, 4)
+        s.backward_tokens(token_loss, ids)
+    params = list(model.parameters())
+    token_loss = (model(X) ** 2).sum(-1)
+    terms = {a: token_loss[torch.tensor(rows) == k].sum() for k, a in enumerate(agents)}
+    want = brute_force_gram_of(terms, params, agents)
+    assert s.result.method == "hooks+check" and rel_err(s.result.gram, want) < 1e-5
+
+
+def brute_force_gram_of(terms: dict[str, torch.Tensor], params: list[nn.Parameter], agents: list[str]) -> np.ndarray:
+    g = torch.stack([torch.cat([x.reshape(-1) for x in torch.autograd.grad(terms[a], params, retain_graph=True)])
+                     .double() for a in agents])
+    return (g @ g.T).numpy()
