@@ -27,7 +27,7 @@ from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError, GradscopeWarning
 from gradscope.paths import kind_of
-from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks
+from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks, sink_module
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter, open_run
@@ -71,7 +71,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     rules = collect_rules(cfg.alert, cfg.alerts, cfg.default_alerts)
     check_selectors(rules, list(workflow.agents), [workflow.agent_roles[a] for a in workflow.agents],
                     policy.adapters)
-    parse_sinks(cfg.log_to)
+    for name in parse_sinks(cfg.log_to):  # a missing extra before the run file exists
+        sink_module(name)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
     for name in PER_ROLE:

@@ -11,7 +11,7 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
@@ -57,13 +57,18 @@ def open_sink(name: str, dest: str | os.PathLike[str], *, run_name: str, config:
     Raises:
         ConfigError: unknown sink, or its library is not installed (the message names the extra).
     """
+    return sink_module(name).open_sink(os.fspath(dest), run_name=run_name, config=dict(config))
+
+
+def sink_module(name: str) -> ModuleType:
+    """The module of sink ``name``, its library imported; ConfigError for an unknown sink or a missing
+    library (the message names the extra): what a command checks before it writes anything."""
     parse_sinks([name])
     try:
-        module = importlib.import_module(f"gradscope.integrations.{SINKS[name]}")
+        return importlib.import_module(f"gradscope.integrations.{SINKS[name]}")
     except ImportError as exc:
         raise ConfigError(f"--to/--log-to {name} needs the {exc.name or name} package: "
                           f"pip install 'gradscope[{name}]'") from None
-    return module.open_sink(os.fspath(dest), run_name=run_name, config=dict(config))
 
 
 def event_line(kind: str, severity: str, message: str) -> str:

@@ -120,6 +120,10 @@ def test_a_missing_library_names_its_extra(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "gradscope.integrations.mlflow", raising=False)
     with pytest.raises(ConfigError, match=r"pip install 'gradscope\[mlflow\]'"):
         open_sink("mlflow", tmp_path, run_name="r", config={})
+    # gradscope train --log-to: refused before any model or run file exists
+    out = tmp_path / "run.h5"
+    assert main(["train", "--steps", "1", "--log-to", "mlflow", "--out", str(out)]) == 2
+    assert not out.exists() and not (tmp_path / "run.h5.logs").exists()
 
 
 def test_names_are_safe_for_every_dashboard():
