@@ -128,7 +128,7 @@ class SinkWriter:
 
     def log_event(self, step: int, kind: str, message: str, severity: str = "info") -> None:
         self.writer.log_event(step, kind, message, severity)
-        self._flush_records()
+        # no flush: an event between two records of a step (a probe warning) must not split the step
         for sink in self.sinks:
             sink.text(step, EVENTS_TAG, [event_line(kind, severity, message)])
 

@@ -159,3 +159,37 @@ def test_train_log_to_every_dashboard(tmp_path, alternating_rewards):
     assert "grad_norm[voter]" in events and "grad_norm[aggregator]" in events
     events = readback.wandb_history(logs / "wandb")["gradscope/events"][1]
     assert "grad_norm[voter]" in events and "grad_norm[aggregator]" in events
+
+
+def test_an_event_between_a_steps_records_does_not_split_the_step():
+    """IP logs one record per policy; a probe warning logged between them: the step is still sent once,
+    its statistics the mean over both records (the documented rule)."""
+    from gradscope.integrations.sinks import Sink, SinkWriter
+
+    class Recording(Sink):
+        def __init__(self):
+            self.scalars_sent, self.texts = [], []
+
+        def scalars(self, step, values):
+            self.scalars_sent.append((step, dict(values)))
+
+        def text(self, step, tag, lines):
+            self.texts.append((step, tag, list(lines)))
+
+        def close(self):
+            pass
+
+    class Null:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    sink = Recording()
+    writer = SinkWriter(Null(), [sink], ["voter0", "aggregator"], ["voter", "aggregator"])
+    writer.log_step(1, np.diag([1.0, 0.0]), [3, 0])
+    writer.log_event(1, "probe", "hooks fell back to split for a call", severity="warning")
+    writer.log_step(1, np.diag([0.0, 4.0]), [0, 2])
+    writer.log_metrics(1, {"train/accuracy": 0.5})
+    writer.close()
+    stats = [v for step, v in sink.scalars_sent if "gradscope/grad_norm" in v]
+    assert len(stats) == 1 and stats[0]["gradscope/grad_norm"] == pytest.approx((1.0 + 2.0) / 2)
+    assert sink.texts == [(1, "gradscope/events", ["[warning] probe: hooks fell back to split for a call"])]
