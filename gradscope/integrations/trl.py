@@ -141,6 +141,7 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         self._handle: Any = None
         self._forward: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._ids: torch.Tensor | None = None
+        self._grouped = (probe_options or {}).get("groups") is not None  # the run file keeps the group Grams
 
     # ------------------------------------------------------------------ the run file
     def run_meta(self) -> RunMeta:
@@ -151,7 +152,9 @@ class GradscopeGRPOTrainer(GRPOTrainer):
                   "world_size": self.accelerator.num_processes}
         return RunMeta(agents=self.gradscope_agents, agent_roles=[self.gradscope_roles[a] for a in self.gradscope_agents],
                        roles=self.probe.roles, probe_method=self.probe.measurement, config=config, seed=self.args.seed,
-                       update_unit=self._update_unit or "")
+                       update_unit=self._update_unit or "",
+                       groups=self.probe.groups if self._grouped else [],
+                       group_sizes=self.probe.group_sizes if self._grouped else [])
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(*args, **kwargs)
@@ -272,7 +275,8 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         result, self._unlogged = self._unlogged, None
         if result is not None and self._writer is not None:
             update = None if self._update_unit is None else self.probe.last_update
-            self._writer.log_step(result.step, result.gram, result.tokens, method=result.method, update=update)
+            self._writer.log_step(result.step, result.gram, result.tokens, method=result.method, update=update,
+                                  group_gram=result.group_gram if self._grouped else None)
 
     def _sum_gradients(self) -> None:
         """Sum ``.grad`` of the trained parameters over the processes in one flat collective (a

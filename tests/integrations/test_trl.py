@@ -187,3 +187,15 @@ def test_agent_ids_of_masked_out_unnamed_and_bad_values():
         agent_ids(["voter0", "voter0", None], completion, completion, index)
     with pytest.raises(ProbeError, match="completion 0: agent 3 is neither an agent name nor a list"):
         agent_ids([3, "voter0", "voter0"], completion, completion, index)
+
+
+def test_groups_reach_the_run_file(tmp_path):
+    """probe_options={"groups": ...}: the run file declares the groups and keeps each record's group Grams."""
+    run = tmp_path / "run.h5"
+    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=1, probe_options={"groups": "layer"})
+    trainer.train()
+    with open_run(run) as r:
+        assert r.meta.groups == trainer.probe.groups and len(r.meta.groups) >= 2
+        assert r.meta.group_sizes == trainer.probe.group_sizes
+        np.testing.assert_allclose(r.group_gram[-1], trainer.gradscope_last.group_gram)
+        np.testing.assert_allclose(r.group_gram[-1].sum(0), r.gram[-1], rtol=1e-6)
