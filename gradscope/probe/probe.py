@@ -172,6 +172,7 @@ class Probe:
         self.params, self.group_index, self.grad_reduced = params_only, group_index, bool(grad_reduced)
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
+        self._closed = False  # close() was called
         self.last: StepResult | None = None
         self._updates: UpdateAttribution | None = None
         if optimizer is not None:
@@ -190,6 +191,8 @@ class Probe:
     @contextmanager
     def step(self, step: int, policy: str | None = None) -> Iterator["ProbeStep"]:
         """Probe one optimizer step; ``.result`` of the yielded object is set on exit."""
+        if self._closed:
+            raise ProbeError("the probe is closed (its hooks are removed); make a new Probe")
         if self._open:
             raise ProbeError("a probed step is already open; steps cannot nest")
         self._open = True
@@ -266,7 +269,9 @@ class Probe:
         self._method.load_state_dict(state["state"])
 
     def close(self) -> None:
-        """Remove whatever the probe attached: the hooks method's layer hooks, the optimizers' step hooks."""
+        """Remove whatever the probe attached: the hooks method's layer hooks, the optimizers' step hooks;
+        the probe is unusable afterwards (``step`` raises a ProbeError)."""
+        self._closed = True
         self._method.close()
         if self._updates is not None:
             self._updates.close()

@@ -496,3 +496,12 @@ def brute_force_gram_of(terms: dict[str, torch.Tensor], params: list[nn.Paramete
     g = torch.stack([torch.cat([x.reshape(-1) for x in torch.autograd.grad(terms[a], params, retain_graph=True)])
                      .double() for a in agents])
     return (g @ g.T).numpy()
+
+
+def test_a_closed_probe_refuses_a_step():
+    model = nn.Sequential(nn.Linear(4, 3))
+    probe = Probe(model, ["a", "b"], {"a": "x", "b": "y"})
+    probe.close()
+    with pytest.raises(ProbeError, match="the probe is closed"):
+        with probe.step(0):
+            pass
