@@ -113,6 +113,10 @@ class VerlSettings:
             raise ConfigError("gradscope.sketch must be >= 0 and gradscope.flush_every >= 1")
         if len(set(self.agents)) != len(self.agents):
             raise ConfigError(f"gradscope.agents must be distinct, got {self.agents}")
+        comma = next((a for a in self.agents if "," in a), None)
+        if comma is not None:  # "voter0,voter1" given as a string is one name: never what was meant
+            raise ConfigError(f"gradscope.agents: {comma!r} is one name with a comma; give a list, "
+                              f"gradscope.agents=[{comma}]")
         collect_rules(self.alert, self.alerts or None, self.default_alerts)  # a bad rule fails here, once
 
     def to_json(self) -> str:

@@ -49,3 +49,10 @@ def test_rows_of_an_agent_outside_the_listed_agents_are_an_error(tmp_path):
 def test_a_role_disagreeing_with_the_batch_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="agent 'voter0' has rows of two roles"):
         build(tmp_path, {"agent_name": ["voter0"], "role": ["voter"]}, roles={"voter0": "critic"})
+
+
+def test_agents_given_as_one_string_with_commas_are_refused():
+    with pytest.raises(ConfigError, match=r"'voter0,voter1' is one name with a comma; give a list, "
+                                          r"gradscope.agents=\[voter0,voter1\]"):
+        VerlSettings.from_mapping({"run": "run.h5", "agents": "voter0,voter1"})
+    assert VerlSettings.from_mapping({"run": "run.h5", "agents": ["voter0", "voter1"]}).agents == ["voter0", "voter1"]
