@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gradscope.errors import ConfigError, GradscopeError
+from gradscope.errors import GradscopeError
 from gradscope.runfile import open_run
 from gradscope.trainers.sweep.grid import Cell, cell_config
 from gradscope.trainers.sweep.runs import FRESH
-from gradscope.trainers.sweep.scheduler import MANIFEST, check_folder, run_cells, write_manifest
+from gradscope.trainers.sweep.scheduler import MANIFEST, check_folder, make_folder, run_cells, write_manifest
 from gradscope.trainers.testbed import cache
 from gradscope.trainers.testbed.scales import DEFAULT_SCALE, SCALES
 
@@ -48,10 +48,7 @@ def run_demo(out_dir: str | Path, steps: int = 100, threads: int = 0, jobs: int 
     cells = demo_cells(steps, threads)
     # before the banner: a file, FIFO or folder where the demo writes is one line, exit 2
     check_folder(out_dir, cells, files=(MANIFEST,), folders=("runs", "logs"))
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {out_dir}: cannot create ({exc.strerror or exc})") from None
+    make_folder(out_dir)
     # wall time: the runs' CPU seconds spread over the jobs, and no less than the longest run
     expected = max(steps, (2 * steps + HOT["steps"]) / min(jobs, len(cells))) * SECONDS_PER_STEP
     print(f"demo: Voting/math, IP and SP, {steps} steps each, and IP at 10x the learning rate for "

@@ -9,7 +9,8 @@ from pathlib import Path
 from gradscope.errors import ConfigError
 from gradscope.trainers.sweep.config import load_spec
 from gradscope.trainers.sweep.grid import expand
-from gradscope.trainers.sweep.scheduler import Outcome, check_folder, folder_lock, plan, run_cells, write_manifest
+from gradscope.trainers.sweep.scheduler import (Outcome, check_folder, folder_lock, make_folder, plan, run_cells,
+                                              write_manifest)
 
 
 def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -> tuple[Path, Outcome | None]:
@@ -26,10 +27,7 @@ def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -
         for cell in cells:
             print(f"{cell.name}: {shlex.join(['gradscope', 'train', *cell.argv, '--out', str(cell.run_path(folder))])}")
         return folder, None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {folder}: cannot create ({exc.strerror or exc})") from None
+    make_folder(folder)
     signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: every run is interrupted and closes its file
     with folder_lock(folder):
         planned = plan(cells, folder)

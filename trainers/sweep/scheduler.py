@@ -99,6 +99,14 @@ def check_folder(folder: Path, cells: list[Cell], files: Sequence[str] = FILES,
             raise ConfigError(f"--out {folder}: {path.relative_to(folder)} is {got}, not {want}; move it away")
 
 
+def make_folder(folder: Path) -> None:
+    """Create ``folder`` (and its parents) if absent; ConfigError, one line, when it cannot be."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {folder}: cannot create ({exc.strerror or exc})") from None
+
+
 @contextmanager
 def folder_lock(folder: Path) -> Iterator[None]:
     with open(folder / ".sweep.lock", "a") as handle:
