@@ -277,6 +277,8 @@ class GradscopeGRPOTrainer(GRPOTrainer):
             update = None if self._update_unit is None else self.probe.last_update
             self._writer.log_step(result.step, result.gram, result.tokens, method=result.method, update=update,
                                   group_gram=result.group_gram if self._grouped else None)
+            for warning in result.warnings:  # a probe fallback or a failed self-check, with its reason
+                self._writer.log_event(result.step, "probe", warning, severity="warning")
 
     def _sum_gradients(self) -> None:
         """Sum ``.grad`` of the trained parameters over the processes in one flat collective (a

@@ -73,6 +73,23 @@ def test_multi_agent_completions_from_the_rollout_hook(tmp_path):
     assert all(trainer.gradscope_last.tokens > 0)
 
 
+def test_probe_fallbacks_are_events_of_the_run_file(tmp_path):
+    # A completion written by two agents cannot be attributed by hooks (a row's gradient mixes them): the
+    # probe measures that step by split and says why; the run file keeps the reason as a probe event.
+    run = tmp_path / "run.h5"
+    trainer = make_trainer(str(tmp_path / "out"), rollout_func=_two_agent_rollout, agent="writers", run_file=run,
+                           max_steps=1)
+    with pytest.warns(RuntimeWarning, match="fell back to split"):
+        trainer.train()
+    assert trainer.gradscope_last.method.startswith("split-fallback:")
+    with open_run(run) as r:
+        events = r.events
+        probe_events = events[events["kind"] == "probe"]
+        assert list(probe_events["step"]) == [1] and list(probe_events["severity"]) == ["warning"]
+        assert "a row holds tokens of several agents" in probe_events["message"].iloc[0]
+        assert list(r.method) == [trainer.gradscope_last.method]
+
+
 def test_agent_from_a_function(tmp_path):
     trainer = make_trainer(str(tmp_path), trainer_cls=Recording, agent=lambda ex: ex["agent"])
     _check_against_brute_force(trainer)
