@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from gradscope.errors import ConfigError
 from gradscope.integrations.sinks import Sink
 
 EXPERIMENT = "gradscope"
@@ -38,10 +40,17 @@ def tracking_uri(dest: str) -> tuple[str, str | None]:
 class MlflowSink(Sink):
     def __init__(self, dest: str, run_name: str, config: Mapping[str, Any]) -> None:
         uri, artifacts = tracking_uri(dest)
-        self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(EXPERIMENT)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT, artifact_location=artifacts)
-        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            exp = self.client.get_experiment_by_name(EXPERIMENT)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT, artifact_location=artifacts)
+            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        except ImportError as exc:  # mlflow-skinny without what its SQL store needs
+            raise ConfigError(f"mlflow store {uri} needs the {exc.name or 'sqlalchemy'} package: "
+                              "pip install 'gradscope[mlflow]'") from None
+        except MlflowException as exc:  # an unreachable server (after MLflow's own retries), a bad URI, ...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"mlflow store {uri} cannot be used: {first[:300]}") from None
         params = {k: str(v)[:500] for k, v in config.items() if not isinstance(v, (dict, list))}
         for key, value in params.items():
             self.client.log_param(self.run_id, key, value)

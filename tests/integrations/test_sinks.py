@@ -126,6 +126,23 @@ def test_a_missing_library_names_its_extra(tmp_path, monkeypatch):
     assert not out.exists() and not (tmp_path / "run.h5.logs").exists()
 
 
+def test_an_unusable_mlflow_store_is_one_line(ip_run, tmp_path, capsys, monkeypatch):
+    # an unreachable tracking server: MLflow's own retries (none here, to keep the test short), then one line
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert main(["export", str(ip_run), "--to", "mlflow", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradscope: error: mlflow store http://127.0.0.1:9 cannot be used: ") and err.count("\n") == 1
+    # mlflow-skinny without SQLAlchemy: its local SQL store cannot be opened; the message names the extra
+    for name in [m for m in sys.modules if m == "sqlalchemy" or m.startswith("sqlalchemy.")] + ["sqlalchemy"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in [m for m in sys.modules if m.startswith("mlflow.store.tracking.sqlalchemy")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["export", str(ip_run), "--to", "mlflow", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradscope: error: mlflow store sqlite:///") and "pip install 'gradscope[mlflow]'" in err
+    assert err.count("\n") == 1
+
+
 def test_names_are_safe_for_every_dashboard():
     assert scalar_name("cos/a|b/c") == "gradscope/cos/a_b/c"
     assert scalar_name("norm/voter 1.x-y") == "gradscope/norm/voter 1.x-y"
