@@ -264,8 +264,7 @@ class HooksMethod(GramMethod):
         self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
         self._scratches: dict[tuple, torch.Tensor] = {}  # per-row product buffers by shape (_scratch)
         self._grad0: list[torch.Tensor | None] = []
-        self._magnitude: dict[int, torch.Tensor | float] = {}  # param index → magnitude S (float64 scalar)
-        self._lazy: set[int] = set()  # weights whose magnitude is Σ_k ‖dense_k‖, from the Gram's diagonal at end
+        self._magnitude: dict[int, torch.Tensor] = {}  # param index → magnitude S (float64 scalar)
         self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
         self._unowned_grad: str | None = None  # a layer whose rows of no agent received gradient
         self.failed_check = False  # under auto, after a failed self-check: split from then on
@@ -389,12 +388,10 @@ class HooksMethod(GramMethod):
                 # the self-check compares with split's Gᵀ A, and autograd sums Gᵀ A itself: bound the token terms
                 self._linear_magnitudes(layer, x, grad)
             else:
-                # .grad and the per-agent gradients are sums of the same terms: they differ only by the order of
-                # summation, which the sum of the terms' norms bounds (None: the agents' gradients' norms, at end)
+                # .grad and the per-agent gradients are sums of the same per-row products P_b: they differ
+                # only by the order of summation, which Σ_b ‖P_b‖ bounds
                 for i, size in zip((layer.weight, layer.bias), sizes):
-                    if i is not None and size is None:
-                        self._lazy.add(i)
-                    elif i is not None:
+                    if i is not None:
                         self._add_magnitude(i, size)
             return dW, db
 
@@ -416,7 +413,7 @@ class HooksMethod(GramMethod):
             self._norms[key] = (x, _norm(x))
         return self._norms[key][1]
 
-    def _add_magnitude(self, i: int, value: torch.Tensor | float) -> None:
+    def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
         """Add to the magnitude ``S`` of ``params[i]``: ``‖G‖_F ‖A‖_F`` per call (≥ ``Σ_tokens ‖G_t‖‖A_t‖`` by
         Cauchy–Schwarz; for a bias or an embedding ``A_t`` is one), which bounds the norm of the rank-one terms
         that autograd (and this method) sum into the gradient, and so scales their rounding error."""
@@ -496,8 +493,7 @@ class HooksMethod(GramMethod):
 
     def _add_products(self, i: int, P: torch.Tensor, fwd: _Forward) -> tuple[torch.Tensor, torch.Tensor]:
         """Add one call's per-row products ``P`` (rows, d_out, d_in) to their agents' gradients; returns the call's
-        weight gradient (d_out, d_in) and ``Σ ‖·‖_F`` of the terms summed into it — None where they are the agents'
-        gradients themselves, whose norms ``_local_grams`` takes from the Gram's diagonal at ``end``.
+        weight gradient (d_out, d_in) and ``Σ ‖·‖_F`` of the terms summed into it.
 
         Every row an agent's: the products are summed by agent first, ``C`` (K, d_out·d_in) — straight into the
         agents' gradients while they are zero this step — and the weight gradient is ``Σ_k C_k``. ``.grad`` and
@@ -514,7 +510,7 @@ class HooksMethod(GramMethod):
         C.index_add_(0, fwd.kept, P.view(fwd.rows, -1))
         if not fresh:
             D += C
-        return C.sum(0).view(P.shape[1:]), None if fresh else torch.linalg.vector_norm(C, dim=1).sum()
+        return C.sum(0).view(P.shape[1:]), torch.linalg.vector_norm(C, dim=1).sum()
 
     def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> None:
         """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape)."""
@@ -559,9 +555,6 @@ class HooksMethod(GramMethod):
                 p = self.params[i]
                 buffer = self._buffers[i] = torch.empty(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
             self._dense[i] = buffer.zero_()
-        elif i in self._lazy:  # more is added: the per-agent gradients so far are one call's terms, count them now
-            self._lazy.discard(i)
-            self._add_magnitude(i, torch.linalg.vector_norm(self._dense[i].view(self.n_agents, -1), dim=1).sum())
         return self._dense[i]
 
     def _materialise(self, layer: _Layer) -> None:
@@ -902,11 +895,6 @@ class HooksMethod(GramMethod):
                     precise = _in_float64(*pending[js[r]][1:], self.n_agents)
                     if precise is not None:
                         stacked[r] = precise
-            lazy = [r for r, j in enumerate(js) if pending[j][0] in self._lazy]
-            if lazy:  # Σ_k ‖dense_k‖ = Σ_k √M_kk: the magnitude of these weights' single call (see _on_grad)
-                sizes = stacked[lazy].diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().sum(1).tolist()
-                for r, size in zip(lazy, sizes):
-                    self._add_magnitude(pending[js[r]][0], size)
             index = torch.tensor([self.group_index[pending[j][0]] for j in js], device=device)
             grams += torch.zeros_like(grams, device=device).index_add_(0, index, stacked).cpu()
             if per_param is not None:
@@ -943,7 +931,7 @@ class HooksMethod(GramMethod):
         self._handles, self._installed = [], []
 
     def _reset(self) -> None:
-        self._dense, self._grad0, self._magnitude, self._lazy = {}, [], {}, set()
+        self._dense, self._grad0, self._magnitude = {}, [], {}
         self._in_call, self._aux = False, False
         self._unowned_grad = None
         self._check, self._checkable, self._unverified, self._checked_calls = None, True, [], 0
