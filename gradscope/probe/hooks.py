@@ -426,8 +426,8 @@ class HooksMethod(GramMethod):
 
         Returns ``(dW, db, sizes)``: the call's weight gradient ``Σ_b G_bᵀ A_b`` (d_out, d_in) and bias
         gradient (d_out,) where the products formed for the agents (per row, or per agent over its
-        rows) add up to it, else None; and ``Σ ‖P‖_F`` over the terms ``P`` summed into it (the scale of
-        the rounding between their sum and the per-agent sums)."""
+        rows) add up to it, else None; and ``Σ ‖P‖_F`` over those products ``P`` (the scale of the
+        rounding between their sum and the per-agent sums)."""
         db = db_size = dW = dW_size = None
         if layer.bias is not None:
             per_row = G.sum(1)                                        # (rows, d_out)
@@ -448,8 +448,9 @@ class HooksMethod(GramMethod):
             self._dense_of(layer.weight)[fwd.single] += dW
             dW_size = torch.linalg.vector_norm(dW)
         elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
-            P = torch.bmm(G.transpose(1, 2), A, out=self._scratch((fwd.rows, d_out, d_in), A))  # (rows, d_out, d_in)
-            dW, dW_size = self._add_products(layer.weight, P, fwd)
+            P = torch.bmm(G.transpose(1, 2), A, out=self._scratch(fwd.rows, d_out, d_in, A))  # (rows, d_out, d_in)
+            self._add_by_row(layer.weight, P, fwd)
+            dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1).sum()
         else:
             D = self._dense_of(layer.weight)
             if fwd.unowned is not None:  # rows of no agent: autograd's Gᵀ A holds them
@@ -491,27 +492,6 @@ class HooksMethod(GramMethod):
         per_row = per_row.reshape(fwd.rows, -1)
         return per_row.new_zeros(self.n_agents, per_row.shape[1]).index_add_(0, fwd.kept, fwd.owned(per_row))
 
-    def _add_products(self, i: int, P: torch.Tensor, fwd: _Forward) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add one call's per-row products ``P`` (rows, d_out, d_in) to their agents' gradients; returns the call's
-        weight gradient (d_out, d_in) and ``Σ ‖·‖_F`` of the terms summed into it.
-
-        Every row an agent's: the products are summed by agent first, ``C`` (K, d_out·d_in) — straight into the
-        agents' gradients while they are zero this step — and the weight gradient is ``Σ_k C_k``. ``.grad`` and
-        the per-agent gradients then differ only by the order of summing the ``C_k`` (bounded by ``Σ_k ‖C_k‖``),
-        and the products are read once instead of three times (by agent, their sum, their norms): 25-35 % of
-        this bookkeeping on bench_peers' LoRA factors. With rows of no agent the weight gradient is the sum of
-        all rows, so that the add-up check sees gradient reaching them."""
-        if fwd.n_kept != fwd.rows:
-            self._add_by_row(i, P, fwd)
-            return P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1).sum()
-        fresh = i not in self._dense
-        D = self._dense_of(i).view(self.n_agents, -1)
-        C = D if fresh else self._scratch(D.shape, D).zero_()
-        C.index_add_(0, fwd.kept, P.view(fwd.rows, -1))
-        if not fresh:
-            D += C
-        return C.sum(0).view(P.shape[1:]), torch.linalg.vector_norm(C, dim=1).sum()
-
     def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> None:
         """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape)."""
         D = self._dense_of(i)
@@ -539,13 +519,13 @@ class HooksMethod(GramMethod):
         store.scatter(layer.weight, agents[:, None].expand_as(coords).reshape(-1), coords.reshape(-1),
                       G.reshape(-1))
 
-    def _scratch(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A buffer of ``shape`` for one call's per-row products (rows, d_out, d_in) or their per-agent sums (K,
-        d_out·d_in), kept across calls and steps: 56 fresh 0.5-1 MB products a step on bench_peers' LM otherwise
-        reach the system allocator (occasional bursts of ~3000 page faults a step, measured)."""
-        key = (*shape, like.dtype, like.device)
+    def _scratch(self, rows: int, d_out: int, d_in: int, like: torch.Tensor) -> torch.Tensor:
+        """A (rows, d_out, d_in) buffer for one call's per-row products, kept across calls and steps: 56 fresh
+        0.5-1 MB products a step on bench_peers' LM otherwise reach the system allocator (occasional bursts of
+        ~3000 page faults a step, measured)."""
+        key = (rows, d_out, d_in, like.dtype, like.device)
         if key not in self._scratches:
-            self._scratches[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._scratches[key] = torch.empty(rows, d_out, d_in, dtype=like.dtype, device=like.device)
         return self._scratches[key]
 
     def _dense_of(self, i: int) -> torch.Tensor:
