@@ -30,7 +30,8 @@ class HookedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        # x only for the weight gradient, as F.linear: a frozen weight's input may change in place afterwards
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         ctx.has_bias, ctx.on_grad, ctx.after_grad = bias is not None, None, None
         return F.linear(x, weight, bias)
 
@@ -76,15 +77,15 @@ class Installed:
         self.module, self.on_call, self.active = module, on_call, True
         module.forward = self
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # (named as nn.Linear.forward's: lin(input=x) works)
         m = self.module
         if not self.active:
-            return F.linear(x, m.weight, m.bias)
-        if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
-            output = F.linear(x, m.weight, m.bias)
+            return F.linear(input, m.weight, m.bias)
+        if not torch.is_grad_enabled() or torch.is_autocast_enabled(input.device.type):
+            output = F.linear(input, m.weight, m.bias)
         else:
-            output = HookedLinear.apply(x, m.weight, m.bias)
-        self.on_call(m, (x,), output)
+            output = HookedLinear.apply(input, m.weight, m.bias)
+        self.on_call(m, (input,), output)
         return output
 
     def remove(self) -> None:

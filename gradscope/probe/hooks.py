@@ -173,6 +173,7 @@ class _Forward:
     n_kept: int = 0                     # their number
     kept: torch.Tensor | None = None    # their agents
     single: int | None = None           # the agent, when every row is that agent's
+    mixed: bool = False                 # rows of several agents (or of none): attribution depends on the rows
     by_agent: dict[int, torch.Tensor] = field(default_factory=dict)  # row indices per agent
     unowned: torch.Tensor | None = None  # indices of rows of no agent (their gradient must be 0)
 
@@ -187,6 +188,7 @@ class _Forward:
         self.kept = agents[self.keep]
         self.n_kept = len(self.keep)
         present = sorted(set(agents.tolist()))
+        self.mixed = len(present) > 1
         self.single = present[0] if len(present) == 1 and present[0] >= 0 else None
         self.by_agent = {k: (agents == k).nonzero().squeeze(1) for k in present if k >= 0}
         self.unowned = (agents < 0).nonzero().squeeze(1) if -1 in present and len(present) > 1 else None
@@ -205,7 +207,8 @@ class _Piece:
     forward: _Forward
     inputs: torch.Tensor | None
     dim: int = 0              # the batch dimension of ``inputs``
-    ambiguous: bool = False   # several dimensions had the batch size and none was verified
+    ambiguous: bool = False   # the batch dimension is a guess by size (see _match), not verified
+    candidates: tuple = ()    # the input's dimensions of size B
     edge: object = None       # the output's GradientEdge: reachable from a loss? its gradient (self-check)
 
 
@@ -248,7 +251,7 @@ class HooksMethod(GramMethod):
                            if type(layer.module) is nn.Linear and "forward" not in vars(layer.module)]
         installed = {id(i.module) for i in self._installed}
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
-        self._handles += [layer.module.register_forward_hook(partial(self._on_forward, layer))
+        self._handles += [layer.module.register_forward_hook(partial(self._on_forward_hook, layer), with_kwargs=True)
                           for layer in self.layers if id(layer.module) not in installed]
         self._forwards: list[_Forward] = []
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
@@ -257,6 +260,8 @@ class HooksMethod(GramMethod):
         self._in_call = False
         self._own = False  # a split fallback's or the self-check's backward is running
         self._aux = False  # since the last probed backward, a backward outside the probe reached hooked calls
+        self._outside = False  # this step, a backward outside the probe reached hooked calls
+        self._failure: str | None = None  # the failed self-check's message, under strict
         self._missed = False
         self._reentrant = False
         self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
@@ -296,6 +301,13 @@ class HooksMethod(GramMethod):
         self._tagged = _Forward(tag=agents[offset:offset + n], batch_dim=batch_dim)
         self._forwards.append(self._tagged)
         self._tag = (agents, batch_dim, offset + n)
+
+    def _on_forward_hook(self, layer: _Layer, module: nn.Module, args: tuple, kwargs: dict,
+                         output: torch.Tensor) -> None:
+        if not args:  # called by keyword (emb(input=ids)): the input is the first tensor argument
+            args = tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
+        if args:
+            self._on_forward(layer, module, args, output)
 
     def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
@@ -360,6 +372,7 @@ class HooksMethod(GramMethod):
         forward.consumed, piece.inputs, piece.edge = True, None, None  # (the edge: see _prune)
         if not self._in_call:  # an unprobed backward, or one of a split fallback's or of the check's
             self._aux = self._aux or not self._own
+            self._outside = self._outside or not self._own
             return None
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
@@ -439,7 +452,10 @@ class HooksMethod(GramMethod):
         n_new = fwd.n_kept * A.shape[1]
         if layer.weight not in self._dense and (layer.n_rows + n_new) * (d_in + d_out) < GHOST_FACTOR * d_in * d_out:
             tokens = fwd.kept.repeat_interleave(A.shape[1])
-            layer.rows.append((fwd.owned(A).flatten(0, 1), fwd.owned(G).flatten(0, 1), tokens))
+            rows = fwd.owned(A).flatten(0, 1)
+            if rows.untyped_storage().data_ptr() == A.untyped_storage().data_ptr():
+                rows = rows.clone()  # kept until end(): not a view of the caller's input, which may be reused
+            layer.rows.append((rows, fwd.owned(G).flatten(0, 1), tokens))
             layer.n_rows += n_new
             return None, db, (None, db_size)
         self._materialise(layer)
@@ -603,6 +619,10 @@ class HooksMethod(GramMethod):
         if not loss.requires_grad:
             return
         live = [f for f in self._forwards if not f.consumed and f.pieces and f is not self._tagged]
+        if self.failed_check and self.strict:
+            raise ProbeError((self._failure or "hooks failed its self-check") + " (at an earlier step; method='hooks' "
+                             "does not fall back to split: use method='auto' or 'split', or a new probe once the "
+                             "cause is fixed)")
         try:
             if self.failed_check:
                 raise _Fallback("check-failed", "hooks failed its self-check earlier")
@@ -610,11 +630,8 @@ class HooksMethod(GramMethod):
             checking = self._check is not None and terms is not None
             ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
             if ambiguous and not checking:  # no check in this call to tell which dimension is the batch one
-                p = ambiguous[0]
-                raise _Fallback("unmatched-rows", f"layer {p.layer.name!r}: its input has several dimensions of size "
-                                f"B = {p.forward.rows} (a sequence-first input with T == B?) and no self-check runs "
-                                "in this call to tell which is the batch one; tag the forward with "
-                                "s.rows(agent_of_row, batch_dim=d)")
+                raise _Fallback("unmatched-rows", f"{_guessed(ambiguous[0])} and no self-check runs in this call to "
+                                "confirm it; tag the forward with s.rows(agent_of_row, batch_dim=d)")
         except _Fallback as fb:
             if terms is None:
                 raise ProbeError(f"hooks cannot attribute this loss: {fb}; and split cannot split a scalar loss. "
@@ -679,6 +696,7 @@ class HooksMethod(GramMethod):
             untagged[0].tag = row_agents
         for f in live:
             B = len(f.tag)
+            f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
             for piece in f.pieces:
                 x = piece.inputs
                 if x is None:
@@ -696,8 +714,11 @@ class HooksMethod(GramMethod):
                                     f"{tuple(x.shape)} has no dimension of the batch size B = {B}")
                 verified = piece.layer.batch_dim
                 piece.dim = verified if verified in dims else dims[0]
-                piece.ambiguous = len(dims) > 1 and verified not in dims
-            f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
+                # a guess unless it is the leading dimension and the only one of size B: a non-leading one may be
+                # the batch of a sequence-first input or the sequence axis of a chunk of the batch (T == B); with
+                # rows of one agent every dimension attributes alike
+                piece.ambiguous = f.mixed and verified not in dims and dims != [0]
+                piece.candidates = tuple(dims)
         return live
 
     def _check_call(self, calls: list[tuple[_Piece, torch.Tensor, GradientEdge]], terms: Terms, loss: torch.Tensor,
@@ -776,16 +797,22 @@ class HooksMethod(GramMethod):
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
             checked = self._check is not None and self._checkable and self._checked_calls > 0
-            unowned = self._unowned_grad
+            unowned, outside = self._unowned_grad, self._outside
             self._reset()
         if bad:
             if unowned is not None:
                 raise ProbeError(f"hooks: rows tagged with no agent (-1) receive gradient at layer {unowned!r}: "
                                  "the forwards' row tags do not match the loss's rows (losses concatenated in another "
-                                 "order than the forwards ran?)")
+                                 "order than the forwards ran?), or the model mixes rows (a term across the batch, "
+                                 "e.g. BatchNorm)")
+            cause = ("a backward outside the probe (.backward() or torch.autograd.grad of another loss) reached the "
+                     "probed layers during this step and added gradient that belongs to no agent, or a probed "
+                     "weight is used outside its layer's forward" if outside
+                     else "a probed weight is used outside its layer's forward")
             raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
-                             "gradient; a probed weight is used outside its layer's forward. Use method='split'")
+                             f"gradient; {cause}. Use method='split'")
         if failure is not None and self.strict:
+            self.failed_check, self._failure = True, failure  # every later call raises too: no unchecked hooks
             raise ProbeError(failure)
         self.record = ("split-fallback:" + self._reasons[0] if self._reasons
                        else "hooks+check" if checked else "hooks")
@@ -829,14 +856,12 @@ class HooksMethod(GramMethod):
                                    np.sqrt([float(self._magnitude.get(i, 0.0)) ** 2])).any()), None)
         if layer is not None:
             where = f"layer {layer.name!r}"
-        hint = ("the forwards' row tags (s.rows) do not match the rows of the loss, or a layer's input is not "
-                "row-major in the batch")
+        hint = ("the forwards' row tags (s.rows) do not match the rows of the loss, a layer's input is not "
+                "row-major in the batch, or the model mixes rows (a term across the batch, e.g. BatchNorm)")
         unverified = [p for p in self._unverified if layer is None or p.layer is layer]
         if unverified:
-            p = unverified[0]
-            hint = (f"layer {p.layer.name!r} has several input dimensions of size B = {p.forward.rows} and dimension "
-                    f"{p.dim} is not the batch one (a sequence-first (T, B, d) input with T == B?): tag the forward "
-                    "with s.rows(agent_of_row, batch_dim=d)")
+            hint = (f"{_guessed(unverified[0])}, and it may not be the batch one: tag the forward with "
+                    "s.rows(agent_of_row, batch_dim=d)")
         return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's (autograd per "
                 f"agent), so rows are attributed to the wrong agents; {hint}")
 
@@ -912,7 +937,7 @@ class HooksMethod(GramMethod):
 
     def _reset(self) -> None:
         self._dense, self._grad0, self._magnitude = {}, [], {}
-        self._in_call, self._aux = False, False
+        self._in_call, self._aux, self._outside = False, False, False
         self._unowned_grad = None
         self._check, self._checkable, self._unverified, self._checked_calls = None, True, [], 0
         for layer in self.layers:
@@ -990,6 +1015,16 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
     """‖x‖_F as a float64 scalar, reduced in x's own precision (fp32 for 16-bit x, which could overflow):
     no float64 copy of x."""
     return torch.linalg.vector_norm(x, dtype=torch.float32 if x.element_size() < 4 else None).double()
+
+
+def _guessed(piece: _Piece) -> str:
+    """Why a call's batch dimension is a guess (:meth:`HooksMethod._match`), for messages."""
+    B, dims = piece.forward.rows, piece.candidates
+    why = (f"several dimensions of its input, {list(dims)}, have size B = {B} (a sequence-first (T, B, d) input "
+           "with T == B?)" if len(dims) > 1 else
+           f"the only dimension of its input of size B = {B} is dimension {dims[0]}, not the leading one: the batch "
+           "of a sequence-first (T, B, d) input, or the sequence axis of a chunk of the batch with T == B")
+    return f"layer {piece.layer.name!r}: {why}; dimension {piece.dim} is taken as the batch one by its size only"
 
 
 def _per_row(rows: int, T: int, d_out: int, d_in: int) -> bool:

@@ -33,8 +33,8 @@ def backward_per_agent(params: Sequence[nn.Parameter], terms: Sequence[tuple[int
         try:
             torch.autograd.backward(term, retain_graph=retain_graph or j < len(live) - 1)
             for i, p in enumerate(params):
-                if p.grad is not None:
-                    sink(i, k, p.grad)
+                if p.grad is not None:  # (a sparse gradient, of nn.Embedding(sparse=True), as its dense values)
+                    sink(i, k, p.grad.to_dense() if p.grad.is_sparse else p.grad)
         finally:
             for p, grad in zip(params, before):
                 if grad is not None and p.grad is not None:

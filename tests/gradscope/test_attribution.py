@@ -70,22 +70,23 @@ def test_seq_first_with_t_equal_b_and_no_check_falls_back_to_split(method):
     """T == B on a step no self-check measures: hooks cannot tell the batch dimension, so the call goes
     through split (right Gram), and the record and the warning name the layer and batch_dim."""
     layer, params, forward, agent_ids, expected = seq_first_case(T=4)
-    with pytest.warns(RuntimeWarning, match="layer 'linear1'.*several dimensions of size B = 4"):
+    with pytest.warns(RuntimeWarning, match=r"layer 'linear1': several dimensions of its input, \[0, 1\], have size B = 4"):
         result = probed_step(layer, params, forward, agent_ids, method=method, check_every=None)
     assert result.method == "split-fallback:unmatched-rows"
     assert any("batch_dim" in w for w in result.warnings)
     assert rel_err(result.gram, expected) < 1e-10
 
 
-def test_t_equal_b_after_the_first_check_falls_back_to_split():
-    """The default check (the first step) ran with T != B, so it confirmed no dimension: a later step with
-    T == B (varying sequence lengths) is not a crash but a split call with the right Gram; a step with
-    T != B again is hooks."""
-    layer, params, _, _, _ = seq_first_case(T=5)
+def test_the_dimension_the_first_check_confirmed_holds_at_later_steps():
+    """Sequence-first (T, B, d), T != B: the only dimension of size B is not the leading one, a guess, which
+    the default check (the first step) confirms; later steps with T == B (varying sequence lengths) or
+    T != B use the confirmed dimension: hooks, the right Gram."""
+    first_T = 5
+    layer, params, _, _, _ = seq_first_case(T=first_T)
     probe = Probe(layer, AGENTS, ROLES, params=params, method="hooks")
-    methods = []
+    seen = []
     try:
-        for step, T in enumerate((5, 4, 6)):
+        for step, T in enumerate((first_T, 4, 6)):
             x = torch.randn(T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
             adv = torch.tensor([1.0, -0.5, 0.8, 0.3], dtype=torch.float64)[:, None]
             agent_ids = ROW_AGENT[:, None].expand(4, T)
@@ -100,11 +101,11 @@ def test_t_equal_b_after_the_first_check_falls_back_to_split():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 with probe.step(step) as s:
                     s.backward_tokens(forward(), agent_ids)
-            methods.append(s.result.method)
+            seen.append(s.result.method)
             assert rel_err(s.result.gram, expected) < 1e-10
     finally:
         probe.close()
-    assert methods == ["hooks+check", "split-fallback:unmatched-rows", "hooks"]
+    assert seen == ["hooks+check", "hooks", "hooks"] and probe.state_dict()["state"]["batch_dims"] == {"linear1": 1, "linear2": 1}
 
 
 @pytest.mark.parametrize("T,tag", [(4, 1), (5, None), (5, 1)])
@@ -114,6 +115,86 @@ def test_seq_first_is_attributed_by_its_batch_dimension(T, tag):
     result = probed_step(layer, params, forward, agent_ids, tag=tag, method="hooks")
     assert result.method == "hooks+check" and not result.warnings
     assert rel_err(result.gram, expected) < 1e-10
+
+
+class Chunked(nn.Module):
+    """Works through the batch in chunks of 4 rows (a memory-saving pattern): a chunk's layer input is
+    (4, T, d), so with B = 8 and T == 8 its only dimension of size B is the sequence axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(6, 16).double(), nn.Linear(16, 3).double()
+
+    def forward(self, x):                                   # (B, T, 6)
+        return torch.cat([self.second(torch.tanh(self.first(c))) for c in x.split(4)])
+
+
+def chunked_step(probe, model, B, T, step):
+    """One probed step of :class:`Chunked` on B rows of T tokens, rows alternating between two agents;
+    its result and the brute-force Gram."""
+    x = torch.randn(B, T, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+    ids = torch.arange(B)[:, None].expand(B, T) % 2
+
+    def loss():
+        return model(x).square().sum(-1) / 10              # (B, T) per-token loss
+    expected = brute_force_gram({a: loss()[ids == k].sum() for k, a in enumerate(AGENTS)}, list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.step(step) as s:
+            s.backward_tokens(loss(), ids)
+    return s.result, expected, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("method", ["hooks", "auto"])
+def test_the_sequence_axis_of_a_chunk_is_not_taken_for_the_batch(method):
+    """A forward in chunks of 4 rows: at B = 4 (one chunk) hooks attributes it and the check passes; at
+    B = 8, T = 8 each chunk's only dimension of size B is its sequence axis: a guess no check confirms
+    at that step, so the call goes through split (right Gram, the warning naming the layer and why)
+    instead of giving token t's gradient to row t's agent (19 % error before)."""
+    model = Chunked()
+    probe = Probe(model, AGENTS, ROLES, method=method)
+    try:
+        first, expected, _ = chunked_step(probe, model, B=4, T=5, step=0)
+        assert first.method == "hooks+check" and rel_err(first.gram, expected) < 1e-10
+        later, expected, caught = chunked_step(probe, model, B=8, T=8, step=1)
+    finally:
+        probe.close()
+    assert later.method == "split-fallback:unmatched-rows" and rel_err(later.gram, expected) < 1e-10
+    assert any("layer 'first': the only dimension of its input of size B = 8 is dimension 1, not the leading one"
+               in w for w in caught), caught
+
+
+@pytest.mark.parametrize("method", ["hooks", "auto"])
+def test_a_check_on_rows_of_one_agent_confirms_no_batch_dimension(method):
+    """Sequence-first with T == B, first step: every row one agent's, so any dimension attributes alike and
+    the passed check proves nothing about the batch dimension: it fixes none (it fixed the wrong one
+    before, and the next step with two agents was 62 % off, unwarned). That next step goes through split."""
+    layer, params, _, _, _ = seq_first_case(T=4)
+    probe = Probe(layer, AGENTS, ROLES, params=params, method=method)
+    seen = []
+    try:
+        for step, agents in enumerate(([0, 0, 0, 0], [0, 1, 0, 1])):
+            x = torch.randn(4, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            ids = torch.tensor(agents)[:, None].expand(4, 4)
+
+            def forward():
+                return layer(x).square().sum(-1).T / 10   # (B, T)
+            expected = brute_force_gram({a: forward()[ids == k].sum() for k, a in enumerate(AGENTS)},
+                                        [p for _, p in params])
+            layer.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with probe.step(step) as s:
+                    s.backward_tokens(forward(), ids)
+            seen.append(s.result.method)
+            assert rel_err(s.result.gram, expected) < 1e-10
+            if step == 0:
+                assert probe.state_dict()["state"]["batch_dims"] == {}
+    finally:
+        probe.close()
+    assert seen == ["hooks+check", "split-fallback:unmatched-rows"]
 
 
 # ---------------------------------------------------------------- several forwards, any order
@@ -207,6 +288,30 @@ def test_self_check_catches_a_misattributed_layer_and_names_it():
         methods.append(s.result.method)
         assert rel_err(s.result.gram, expected) < 1e-10
     assert methods == ["split-fallback:check-failed"] * 2
+
+
+def test_after_a_failed_check_hooks_raises_at_every_later_step():
+    """method="hooks" does not fall back: once its check failed, a loop that catches the error and goes on
+    gets the error again at every later step, not unchecked hooks Grams (86 % off before), also in a probe
+    restored from the failed one's state."""
+    model = RowMixer()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ids = ROW_AGENT[:, None]
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(ProbeError, match="self-check.*layer 'second'" + (".*at an earlier step" if step else "")):
+            with probe.step(step) as s:
+                s.backward_tokens(model(x).square().sum(1, keepdim=True), ids)
+    state = probe.state_dict()
+    assert state["state"]["failed_check"] is True
+    probe.close()
+    restored = Probe(model, AGENTS, ROLES, method="hooks")
+    restored.load_state_dict(state)
+    with pytest.raises(ProbeError, match="self-check.*at an earlier step"):
+        with restored.step(3) as s:
+            s.backward_tokens(model(x).square().sum(1, keepdim=True), ids)
+    restored.close()
 
 
 @pytest.mark.parametrize("wrong", ["loss-rows-reversed", "tags-reversed"])

@@ -483,6 +483,115 @@ def test_weight_used_outside_its_layer_is_caught(leak):
             s.backward_tokens(model(x).sum(-1), torch.arange(4)[:, None].expand(4, 3))
 
 
+def test_an_auxiliary_backward_inside_the_step_is_named_as_a_cause():
+    """A regulariser's own .backward() inside the probed step adds gradient that belongs to no agent: the
+    add-up check fails, and its error names that cause (it blamed only a weight used outside its layer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, aux = torch.randn(4, 5), torch.randn(4, 5)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match=r"do not add up.*a backward outside the probe \(.backward\(\)"):
+        with probe.step(0) as s:
+            model(aux).square().mean().mul(0.1).backward()
+            s.backward_rows(model(x).square().sum(1), torch.arange(4))
+
+
+class KeywordCalls(nn.Module):
+    """Calls its layers by keyword, as nn.Linear.forward(input) and nn.Embedding.forward(input) allow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(10, 6), nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.head(input=torch.tanh(self.embed(input=ids)))
+
+
+class InPlaceResidual(nn.Module):
+    """``x += layer(x)``: legal when the layer's weight is frozen (F.linear then keeps no input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, ids):
+        x = F.one_hot(ids, 6).float()
+        x += self.first(x)
+        return self.second(torch.tanh(x))
+
+
+@pytest.mark.parametrize("model_of", [KeywordCalls, InPlaceResidual], ids=["keyword-calls", "bitfit-in-place"])
+def test_models_that_run_unprobed_run_probed(model_of):
+    """Layers called by keyword, and BitFit (biases only) with an in-place residual: both ran unprobed but
+    failed under the probe (a TypeError / IndexError; autograd's in-place error, from the input the
+    hooked Linear kept for a frozen weight). Now exact."""
+    model = model_of()
+    if model_of is InPlaceResidual:
+        for name, p in model.named_parameters():
+            p.requires_grad_("bias" in name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids = torch.randint(0, 6, (4, 3), generator=torch.Generator().manual_seed(1))
+    rows = torch.arange(4)
+
+    def loss():
+        return model(ids).square().sum((1, 2))
+    expected = brute_force_gram({a: loss()[rows == k].sum() for k, a in enumerate(AGENTS)}, params)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    try:
+        with probe.step(0) as s:
+            s.backward_rows(loss(), rows)
+    finally:
+        probe.close()
+    assert s.result.method == "hooks+check" and rel_err(s.result.gram, expected) < 1e-5
+
+
+def test_a_sparse_embedding_is_measured_by_split():
+    """nn.Embedding(sparse=True) has sparse gradients, which hooks does not attribute: auto picks split,
+    which crashed on them (reshape of a sparse tensor). Its Gram equals a dense twin's."""
+    grams = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Linear(4, 2))
+        probe = Probe(model, AGENTS, ROLES)
+        ids = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(1))
+        try:
+            with probe.step(0) as s:
+                s.backward_rows(model(ids).square().sum((1, 2)), torch.arange(4))
+        finally:
+            probe.close()
+        assert s.result.method == ("split" if sparse else "hooks+check")
+        grams.append(s.result.gram)
+    assert model[0].weight.grad is not None and rel_err(grams[0], grams[1]) < 1e-6
+
+
+def test_an_input_buffer_reused_between_micro_batches_keeps_the_kept_rows(monkeypatch):
+    """Gradient accumulation that copies each micro-batch into one input buffer (legal: the previous graph
+    is gone). A weight in ghost form keeps its input rows until the step ends; they were a view of that
+    buffer, so the next copy overwrote them (the add-up check then blamed a weight used outside its layer)."""
+    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST["ghost"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
+    xs = [torch.randn(4, 32) for _ in range(2)]
+    rows = torch.arange(4)
+    losses = [model(x).square().sum(1) for x in xs]
+    expected = brute_force_gram({a: sum(loss[rows == k].sum() for loss in losses) for k, a in enumerate(AGENTS)},
+                                list(model.parameters()))
+    buffer = torch.empty(4, 32)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    try:
+        for step in range(2):  # the first step is checked, the second is not
+            model.zero_grad(set_to_none=True)
+            with probe.step(step) as s:
+                for x in xs:
+                    buffer.copy_(x)
+                    s.backward_rows(model(buffer).square().sum(1), rows)
+            assert rel_err(s.result.gram, expected) < 1e-5
+    finally:
+        probe.close()
+
+
 @pytest.mark.parametrize("ghost", GHOST)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
 @pytest.mark.parametrize("advantages", ["cancel", "cancel-one-agent", "zero"])
