@@ -76,7 +76,7 @@ def detect_cliff(series: RunSeries, cfg: CliffConfig = CliffConfig()) -> list[Fi
         first = f"; first signal: {leads[0]['signal']} {leads[0]['lead']} steps earlier" if leads else ""
         out.append(Finding(
             kind="cliff", severity="critical" if c.final <= base else "warning",
-            summary=(f"accuracy fell from {c.peak:.3f} (step {c.peak_step}) to {c.trough:.3f} and did not recover; "
+            summary=(f"accuracy (median of 3 evaluations) fell from {c.peak:.3f} (step {c.peak_step}) to {c.trough:.3f} and did not recover; "
                      f"onset step {c.onset_step}{first}"),
             onset=c.onset_step, start=c.peak_step, end=c.trough_step,
             evidence={"peak": c.peak, "peak_step": c.peak_step, "onset_step": c.onset_step, "depth": c.peak - c.trough,
@@ -85,7 +85,7 @@ def detect_cliff(series: RunSeries, cfg: CliffConfig = CliffConfig()) -> list[Fi
     for c in declines:
         out.append(Finding(
             kind="decline", severity="info",
-            summary=f"slow decline from {c.peak:.3f} (step {c.peak_step}) to {c.trough:.3f}: too gradual for a cliff",
+            summary=f"slow decline of accuracy (median of 3 evaluations) from {c.peak:.3f} (step {c.peak_step}) to {c.trough:.3f}: too gradual for a cliff",
             onset=c.onset_step, start=c.peak_step, end=c.trough_step,
             evidence={"peak": c.peak, "trough": c.trough, "final": c.final, "base": base, "slow": True}))
     return out

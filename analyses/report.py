@@ -138,10 +138,11 @@ def _hidden_lines(hidden: dict[str, int]) -> list[str]:
 
 
 def _header(s: dict) -> tuple[str, str | None]:
-    """The run line (workflow / task / policy, steps, records) and the accuracy line (None without
+    """The run line (workflow / task / policy / model, steps, records) and the accuracy line (None without
     evaluations), missing values as gradscope.labels renders them."""
     d = describe(s)
-    run = f"{d['workflow']} / {d['task']} / policy {d['policy']} · {s['steps']} steps, {s['records']} records"
+    run = (f"{d['workflow']} / {d['task']} / policy {d['policy']} / model {d['model']} · {s['steps']} steps, "
+           f"{s['records']} records")
     if "peak" not in s:
         return run, None
     return run, (f"accuracy: base {number(s['base'])}, peak {number(s['peak'])} (step {s['peak_step']}), "

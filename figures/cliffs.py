@@ -15,7 +15,8 @@ One column per run, panels sharing the step axis, top to bottom:
 
 The detector's *lead indicators* (gradient signals that left their pre-peak baseline before the
 onset) are marked with a ▼ at the top of their panel. Several runs share every scale: the same
-step axis, and the same y-axis per row.
+step axis, and the same y-axis per row. A run with neither evaluations nor gradient records raises
+ConfigError (its column would be empty).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 from matplotlib.transforms import blended_transform_factory
 
+from gradscope.errors import ConfigError
 from gradscope.figures import data, panels
 from gradscope.figures.data import RunLike
 from gradscope.figures.style import NEUTRAL, is_no_data, new_figure, role_color, theme
@@ -55,6 +57,9 @@ def cliff_figure(runs: RunLike | Iterable[RunLike], *, size: str = "two", smooth
         height: inches (default: 1.05 per panel plus room for titles and the legend).
     """
     series = data.as_series_list(runs)
+    for s in series:  # a column of "no data" panels only would say nothing
+        if not len(s.accuracy) and not len(s.gram):
+            raise ConfigError(f"{s.name}: no accuracy evaluations and no gradient records: nothing to draw")
     ncols = len(series)
     with theme():
         fig, axes = new_figure(size, height or 1.05 * len(ROWS) + 0.9, len(ROWS), ncols,

@@ -96,6 +96,7 @@ def _rc() -> dict:
         "legend.borderaxespad": 0.2,
         "figure.dpi": 100, "savefig.dpi": 300, "savefig.bbox": None, "savefig.facecolor": "white",
         "pdf.fonttype": 42, "ps.fonttype": 42, "svg.fonttype": "none",
+        "svg.hashsalt": "gradscope",  # fixed clip-path / marker ids: a regenerated SVG is the same file
         "figure.constrained_layout.h_pad": 0.03, "figure.constrained_layout.w_pad": 0.03,
         "image.cmap": DIVERGING,
     })

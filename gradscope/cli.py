@@ -42,8 +42,13 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # argparse prints usage + message; we want one line
-        print(f"gradscope: error: {message}", file=sys.stderr)
+        print(f"gradscope: error: {one_line(message)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks escaped (a path may hold one): a message stays one line."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -145,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=COUNT.arg, default=100, help="training steps per run")
     p.add_argument("--threads", type=WHOLE.arg, default=0,
                    help="torch intra-op threads per run (0: one, the fastest for the testbed on a shared machine)")
-    p.add_argument("--jobs", type=COUNT.arg, default=2, help="runs at a time, each its own process (default 2)")
+    p.add_argument("--jobs", type=COUNT.arg, default=2, help="runs at a time, each its own process")
     p.set_defaults(func=_cmd_demo)
 
     from gradscope.analyses.thresholds import add_threshold_arguments  # dataclasses only
@@ -153,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("analyze", help="detect amplification, role capture and accuracy cliffs in a run")
     p.add_argument("run", help="run file (.h5)")
     fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true", help="machine-readable report (docs/detectors.md)")
-    fmt.add_argument("--md", action="store_true", help="Markdown report")
-    p.add_argument("--fail-on", default="", help="exit 1 if any of these kinds is found: amplification,capture,cliff")
+    fmt.add_argument("--json", action="store_true", help="machine-readable report (docs/detectors.md); without --json or --md: text")
+    fmt.add_argument("--md", action="store_true", help="Markdown report; without --json or --md: text")
+    p.add_argument("--fail-on", default="", help="exit 1 if any of these kinds is found: amplification,capture,cliff (without it: exit 0 whatever is found)")
     p.add_argument("--max-findings", type=int, default=5, metavar="N",
                    help="text and Markdown show at most N findings per kind (JSON: all)")
     add_threshold_arguments(p)
@@ -163,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="runs side by side: accuracy, cliffs, coherence, dominant share")
     p.add_argument("runs", nargs="+", help="run files (.h5)")
-    p.add_argument("--md", action="store_true", help="Markdown table")
+    p.add_argument("--md", action="store_true", help="Markdown table (without it: text)")
     add_threshold_arguments(p)
     p.set_defaults(func=_cmd_compare)
 
@@ -197,15 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smooth", type=COUNT.arg, default=1, help="rolling mean over N steps for gradient curves")
     p.add_argument("--steps", default=None,
                    help="alignment: cosine matrices at these steps, e.g. 10,50,100 (default: a heatmap over all steps)")
-    p.add_argument("--window", type=COUNT.arg, default=None, help="alignment: average over this many steps (default 1)")
+    p.add_argument("--window", type=COUNT.arg, default=None, help="alignment: average over this many steps (default: 1)")
     p.add_argument("--metric", choices=("final", "peak"), default=None,
-                   help="sweep: improvement of the final (default) or the peak accuracy over the base")
+                   help="sweep: improvement of the final or the peak accuracy over the base (default: final)")
     p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("table", help="summary table of runs: base, peak, final, delta, cliff")
     p.add_argument("runs", nargs="+", help="run files (.h5), or sweep folders (their finished runs)")
     p.add_argument("--over", default=None, metavar="FLAG",
-                   help="one row per cell, mean ± sd over this setting (e.g. seed: the paper's Table 1)")
+                   help="one row per cell, mean ± sd over this setting (e.g. seed: the paper's Table 1); without it: "
+                        "one row per run")
     p.add_argument("--format", choices=("md", "csv", "latex"), default="md", help="table format")
     p.add_argument("--out", default=None, help="write to this file instead of standard output")
     p.set_defaults(func=_cmd_table)
@@ -216,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "files, summary.csv, table.md and figures/ into the output folder.")
     p.add_argument("config", help="sweep file (.yaml)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (one torch thread each)")
-    p.add_argument("--out", default=None, help="output folder (default sweeps/out/<config name>)")
+    p.add_argument("--out", default=None, help="output folder (default: sweeps/out/<config name>)")
     p.add_argument("--dry-run", action="store_true", help="check the file and list the cells' commands only")
     p.set_defaults(func=_cmd_sweep)
 
@@ -242,7 +248,7 @@ _format_warning = warnings.formatwarning  # Python's own, put back when main() r
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """gradscope's own warnings (GradscopeWarning) as one line, like its errors; others as Python prints them."""
     if issubclass(category, GradscopeWarning):
-        return f"gradscope: warning: {message}\n"
+        return f"gradscope: warning: {one_line(str(message))}\n"
     return _format_warning(message, category, filename, lineno, line)
 
 
@@ -254,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _reading(args)
         return args.func(args)
     except GradscopeError as exc:
-        print(f"gradscope: error: {exc}", file=sys.stderr)
+        print(f"gradscope: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("gradscope: interrupted", file=sys.stderr)

@@ -45,7 +45,8 @@ def train_main(argv: Sequence[str]) -> int:
                             description="Train a multi-agent workflow with GRPO; every step probed into a run file.")
     add_arguments(parser)
     parser.add_argument("--config", default=None, metavar="FILE.yaml",
-                        help="settings from a YAML file, one 'name: value' per flag (flags override it)")
+                        help="settings from a YAML file, one 'name: value' per flag (flags override it; without it: "
+                             "the flags and their defaults)")
     args = parser.parse_args(list(argv))
     given = given_arguments(argv)
     cfg, origin = config_from(given, args.config)

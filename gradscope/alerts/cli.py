@@ -11,8 +11,8 @@ from gradscope.alerts.rules import DEFAULT_RULES, Rule, load_rules, parse_rule
 def add_alert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alert", action="append", default=[], metavar="'RULE[: ACTION,...]'",
                         help="alert rule, repeatable, e.g. 'coherence[voter] > 0.75 for 10: warn,stop' "
-                             "(docs/alerts.md)")
-    parser.add_argument("--alerts", default=None, metavar="FILE.yaml", help="alert rules from a YAML file")
+                             "(docs/alerts.md); without it: the default rules and --alerts' only")
+    parser.add_argument("--alerts", default=None, metavar="FILE.yaml", help="alert rules from a YAML file (without it: none from a file)")
     parser.add_argument("--default-alerts", action=argparse.BooleanOptionalAction, default=True,
                         help="the built-in rules for amplification, capture, cliffs and non-finite "
                              "gradients (warn + record); --no-default-alerts turns them off")

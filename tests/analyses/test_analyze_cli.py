@@ -149,7 +149,7 @@ def test_text_report(results) -> None:
     _ok(r)
     text = " ".join(r.stdout.split())  # rich wraps long titles
     assert text.startswith("gradscope analysis of ")
-    assert "[critical] cliff: accuracy fell" in text and "onset step 120" in text
+    assert "[critical] cliff: accuracy (median of 3 evaluations) fell" in text and "onset step 120" in text
     assert "'aggregator' dominates the shared parameters 'shared'" in text
     assert "explained by per-token gradient" in text
     assert "first signal: grad_norm[aggregator] 5 steps earlier" in text

@@ -468,7 +468,7 @@ def test_text_reports_show_at_most_n_findings_per_kind_and_json_all() -> None:
         assert "amplification at 70" in out          # the critical one is kept, then the earliest
         assert "amplification at 0" in out and "amplification at 10" in out and "amplification at 20" not in out
         assert "9 more amplification finding(s) not shown" in out and "more capture" not in out
-        assert "unknown / unknown / policy unknown" in out and "—" in out and "nan" not in out
+        assert "unknown / unknown / policy unknown / model unknown" in out and "—" in out and "nan" not in out
     assert to_text(report, max_per_kind=None).count("amplification at ") == 12
     data = json.loads(to_json(report))
     assert len(data["findings"]) == 13 and data["findings"][0]["evidence"] == {"x": None, "y": None}

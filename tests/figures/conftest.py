@@ -86,6 +86,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "sp_noconfig": dict(policy="sp", config=False),
         "single": dict(policy="sp", steps=1, eval_every=1),
         "evals_only": dict(policy="sp", grads=False),
+        "empty": dict(policy="sp", grads=False, evals=False),
         "evalopt_ip": dict(policy="ip", workflow="evalopt"),
         "big_sp": dict(policy="sp", model="/models/Qwen3-1.7B", task="code"),
         "big_ip_noevals": dict(policy="ip", model="Qwen3-4B", evals=False),

@@ -71,6 +71,8 @@ def test_plot_panels_without_data_still_draw(capsys, runs, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["plot", "cliffs", "{tmp}/missing.h5"], "missing.h5: no such file"),
+    (["plot", "cliffs", "{empty}"], "no accuracy evaluations and no gradient records: nothing to draw"),
+    (["plot", "cliffs", "{sp_ok}", "{empty}"], "empty.h5: no accuracy evaluations and no gradient records"),
     (["plot", "shares", "{ip_ok}"], "no parameter set shared by two or more roles"),
     (["plot", "shares", "{evals_only}"], "no gradient records"),
     (["plot", "alignment", "{evals_only}"], "no gradient records"),

@@ -304,6 +304,15 @@ def test_save_formats_and_resolution(runs, tmp_path):
         save(fig, tmp_path / "x", "jpg")
 
 
+def test_regenerating_a_figure_gives_the_same_files(runs, tmp_path):
+    """No timestamps, and fixed SVG ids (matplotlib draws random clip-path ids unless salted)."""
+    files = []
+    for n in range(2):
+        fig = cliff_figure([runs["ip_cliff"]], size="one")
+        files.append([p.read_bytes() for p in save(fig, tmp_path / str(n) / "cliffs", "png,pdf,svg", dpi=200)])
+    assert files[0] == files[1]
+
+
 def test_legends_do_not_cover_data(runs):
     """Rendered: the cliff figure's legend sits outside every panel; ip-vs-sp legends sit below
     their panels; nothing runs off the page."""

@@ -61,12 +61,12 @@ def test_compare_analyze_info(capsys, runs) -> None:
     md = _out(capsys, "compare", "--md", runs["sp_noconfig"], runs["sp_noevals"])
     assert "| unknown | unknown | unknown |" in md and f"| {MISSING} |" in md
     out = _out(capsys, "analyze", runs["sp_noconfig"])
-    assert "unknown / unknown / policy unknown" in out
+    assert "unknown / unknown / policy unknown / model unknown" in out
     _clean(out)
     report = json.loads(_out(capsys, "analyze", "--json", runs["sp_noconfig"]))
     assert [report["summary"][k] for k in ("workflow", "task", "policy", "model")] == [None] * 4
     md = _out(capsys, "analyze", "--md", runs["sp_noevals"])
-    assert "voting / math / policy sp" in md
+    assert "voting / math / policy sp / model testbed" in md
     _clean(md)
     info = _out(capsys, "info", runs["sp_noconfig"])
     assert "(unknown)" not in info and "seed" in info

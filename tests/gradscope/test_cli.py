@@ -59,6 +59,7 @@ def test_every_help_shows_every_default(name: str) -> None:
             continue
         assert f"(default: {action.default})" in text, f"{name} {action.option_strings[0]}: {text}"
         checked += 1
+    assert not re.search(r"\(default [^:]", text), f"{name}: a default not written as (default: X): {text}"
     assert checked or name in ("gradscope", "info", "export"), f"{name}: no flag with a default checked"
 
 
@@ -106,6 +107,12 @@ print(json.dumps({{"codes": codes, "errors": errors, "heavy": sorted(m for m in 
         assert code_ == (0 if help_like else 2), (argv, code_, err)
         if not help_like:
             assert err.startswith("gradscope: error: ") and err.count("\n") == 1, (argv, err)
+
+
+def test_an_error_naming_a_path_with_a_line_break_stays_one_line(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "bad\nname.h5")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"gradscope: error: {tmp_path}/bad\\nname.h5: no such file\n", err
 
 
 def test_gradscopes_own_warnings_print_as_one_line(tmp_path):
