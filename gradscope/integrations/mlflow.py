@@ -10,9 +10,12 @@ experiment ``gradscope``. Text (alerts, findings) becomes one artifact per tag,
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ from gradscope.errors import ConfigError
 from gradscope.integrations.sinks import Sink
 
 EXPERIMENT = "gradscope"
+#: Database URI schemes, whose MLflow store needs SQLAlchemy.
+SQL_SCHEMES = ("sqlite:", "postgresql", "mysql", "mssql")
 #: MLflow takes at most this many metrics per log_batch call.
 _BATCH = 1000
 
@@ -40,9 +45,13 @@ def tracking_uri(dest: str) -> tuple[str, str | None]:
 class MlflowSink(Sink):
     def __init__(self, dest: str, run_name: str, config: Mapping[str, Any]) -> None:
         uri, artifacts = tracking_uri(dest)
+        if uri.startswith(SQL_SCHEMES) and importlib.util.find_spec("sqlalchemy") is None:
+            # (MLflow then registers no SQL scheme and names only an "unsupported URI")
+            raise ConfigError(f"mlflow store {uri} needs the sqlalchemy package: pip install 'gradscope[mlflow]'")
         try:
-            self.client = MlflowClient(tracking_uri=uri)
-            exp = self.client.get_experiment_by_name(EXPERIMENT)
+            with _quiet("alembic", "mlflow.store.db.utils"):  # "Creating initial MLflow database tables" lines
+                self.client = MlflowClient(tracking_uri=uri)
+                exp = self.client.get_experiment_by_name(EXPERIMENT)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT, artifact_location=artifacts)
             self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         except ImportError as exc:  # mlflow-skinny without what its SQL store needs
@@ -69,6 +78,19 @@ class MlflowSink(Sink):
         for tag, lines in self._text.items():
             self.client.log_text(self.run_id, "\n".join(lines) + "\n", f"{tag}.txt")
         self.client.set_terminated(self.run_id)
+
+
+@contextmanager
+def _quiet(*loggers: str) -> Iterator[None]:
+    """These loggers' INFO lines off while the block runs (their warnings and errors still show)."""
+    levels = [(logging.getLogger(name), logging.getLogger(name).level) for name in loggers]
+    for logger, _ in levels:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in levels:
+            logger.setLevel(level)
 
 
 def open_sink(dest: str, *, run_name: str, config: Mapping[str, Any]) -> MlflowSink:

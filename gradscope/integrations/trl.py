@@ -37,7 +37,7 @@ import torch
 from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 
-from gradscope.errors import ProbeError
+from gradscope.errors import ProbeError, RunFileError
 from gradscope.integrations.scalars import PREFIX, finite_items, step_scalars
 from gradscope.probe import Probe, StepResult
 from gradscope.probe.updates import UNITS as UPDATE_UNITS
@@ -45,6 +45,10 @@ from gradscope.runfile import RunMeta, RunWriter
 
 #: The key under which each completion's per-token agent indices travel with TRL's batch.
 AGENT_IDS = "gradscope_agent_ids"
+#: TRL's prefix of an evaluation's logged metrics (``eval_loss``, ``eval_reward``, ...).
+EVAL = "eval_"
+#: √ΣM, logged like TRL's ``grad_norm`` (the logging window's last optimizer step, not a window mean).
+GRAD_NORM = f"{PREFIX}grad_norm"
 
 AgentSpec = str | Callable[[dict[str, Any]], Any]
 
@@ -135,6 +139,7 @@ class GradscopeGRPOTrainer(GRPOTrainer):
             raise ProbeError(f"update_unit must be one of {UPDATE_UNITS} or None, got {update_unit!r}")
         self._update_unit = update_unit
         self._unlogged: StepResult | None = None  # probed, its optimizer step not yet taken
+        self._grad_norm: float | None = None  # √ΣM of the last probed step, until the next training log
         self._run_file = None if run_file is None else os.fspath(run_file)
         self._writer: RunWriter | None = None
         self._window: ExitStack | None = None
@@ -167,6 +172,9 @@ class GradscopeGRPOTrainer(GRPOTrainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         if self._run_file is None or not self.accelerator.is_main_process:
             return super().train(*args, **kwargs)
+        if os.path.lexists(self._run_file):  # (RunWriter's own message suggests overwrite=True, not ours to give)
+            raise RunFileError(f"{self._run_file}: already exists; GradscopeGRPOTrainer never replaces a run file: "
+                               "pass another run_file (one per train() call, also when resuming) or move this one")
         with RunWriter(self._run_file, self.run_meta()) as self._writer:
             try:
                 return super().train(*args, **kwargs)
@@ -174,11 +182,20 @@ class GradscopeGRPOTrainer(GRPOTrainer):
                 self._writer = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        training = "loss" in logs  # a training log (TRL merges its metrics in); an evaluation's are eval_*
+        if training and self._grad_norm is not None:  # as TRL's grad_norm: the window's last optimizer step
+            logs[GRAD_NORM] = self._grad_norm
+            self._grad_norm = None
         super().log(logs, start_time)
-        if self._writer is not None and "loss" in logs:  # a training log (TRL merged its metrics in)
-            # not the gradscope/ statistics merged in: the run file holds their records, export derives them
+        if self._writer is None:
+            return
+        if training:  # not the gradscope/ statistics merged in: the run file holds their records, export derives them
             ours = {k: v for k, v in logs.items() if not k.startswith(PREFIX)}
             self._writer.log_metrics(self.state.global_step, finite_items(ours))
+        else:
+            evals = {k[len(EVAL):]: v for k, v in logs.items() if k.startswith(EVAL) and isinstance(v, (int, float))}
+            if evals:
+                self._writer.log_eval(self.state.global_step, finite_items(evals))
 
     # ------------------------------------------------------------------ agents of the completions
     def _agent_of(self, example: dict[str, Any]) -> Any:
@@ -263,7 +280,9 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         result = self.gradscope_last = self._handle.result
         if self.accelerator.num_processes > 1:
             self._sum_gradients()
-        for name, value in probe_summary(result, self.gradscope_agents, self.gradscope_roles).items():
+        summary = probe_summary(result, self.gradscope_agents, self.gradscope_roles)
+        self._grad_norm = summary.pop(GRAD_NORM, None)  # logged as TRL logs its grad_norm (see log)
+        for name, value in summary.items():
             self._metrics["train"][name].append(value)  # TRL averages them over the logging window
         if self._writer is not None:
             self._unlogged = result

@@ -1,6 +1,7 @@
 """Dashboards: ``gradscope export`` and ``gradscope train --log-to``, read back with each dashboard's reader."""
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import numpy as np
@@ -132,15 +133,19 @@ def test_an_unusable_mlflow_store_is_one_line(ip_run, tmp_path, capsys, monkeypa
     assert main(["export", str(ip_run), "--to", "mlflow", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gradscope: error: mlflow store http://127.0.0.1:9 cannot be used: ") and err.count("\n") == 1
-    # mlflow-skinny without SQLAlchemy: its local SQL store cannot be opened; the message names the extra
-    for name in [m for m in sys.modules if m == "sqlalchemy" or m.startswith("sqlalchemy.")] + ["sqlalchemy"]:
-        monkeypatch.setitem(sys.modules, name, None)
-    for name in [m for m in sys.modules if m.startswith("mlflow.store.tracking.sqlalchemy")]:
-        monkeypatch.delitem(sys.modules, name)
-    assert main(["export", str(ip_run), "--to", "mlflow", str(tmp_path / "store")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("gradscope: error: mlflow store sqlite:///") and "pip install 'gradscope[mlflow]'" in err
-    assert err.count("\n") == 1
+
+    def export(dest, blocked=()):
+        """``gradscope export`` in a fresh process where importing ``blocked`` fails (as if not installed)."""
+        code = (f"import sys; sys.modules.update(dict.fromkeys({list(blocked)!r})); from gradscope.cli import main; "
+                f"sys.exit(main(['export', {str(ip_run)!r}, '--to', 'mlflow', {str(dest)!r}]))")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # mlflow-skinny without SQLAlchemy (MLflow then registers no SQL scheme): the message names the extra
+    out = export(tmp_path / "store", blocked=["sqlalchemy"])
+    assert out.returncode == 2 and out.stderr == (f"gradscope: error: mlflow store sqlite:///{tmp_path}/store/mlflow.db "
+                                                  "needs the sqlalchemy package: pip install 'gradscope[mlflow]'\n")
+    # a new store: its one line on stdout, none of MLflow's "Creating initial MLflow database tables" on stderr
+    out = export(tmp_path / "fresh")
+    assert out.returncode == 0 and out.stderr == "" and out.stdout.startswith("exported ") and out.stdout.count("\n") == 1
 
 
 def test_names_are_safe_for_every_dashboard():

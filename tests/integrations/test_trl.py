@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradscope.errors import ProbeError
+from gradscope.errors import ProbeError, RunFileError
+from gradscope.integrations.trl import GradscopeGRPOTrainer
 from gradscope.runfile import open_run
 from tests.integrations.trl_case import ROLES, Recording, brute_force_gram, make_trainer
 
@@ -117,6 +118,38 @@ def test_run_file_and_trl_logs(tmp_path):
     ours = [e.value for e in acc.Scalars("train/gradscope/grad_norm")]
     theirs = [e.value for e in acc.Scalars("train/grad_norm")]
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+def test_logging_windows_evaluations_and_an_existing_run_file(tmp_path):
+    """logging_steps=2: gradscope/grad_norm is the window's last step's √ΣM, as TRL's grad_norm is (it was the
+    window's mean: 3-18 % off); the other statistics are window means. TRL's evaluations reach the run
+    file's /evals (without their eval_ prefix). A second train() into the same run file is refused with a
+    hint the trainer can follow."""
+    from tests.integrations.trl_case import dataset
+
+    run = tmp_path / "run.h5"
+    norms = []
+
+    class Norms(GradscopeGRPOTrainer):
+        def _finish_step(self):
+            super()._finish_step()
+            norms.append(float(np.sqrt(self.gradscope_last.gram.sum())))
+    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=4, logging_steps=2, trainer_cls=Norms,
+                           eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=16, eval_dataset=dataset())
+    trainer.train()
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["step"] for log in train_logs] == [2, 4] and len(norms) == 4
+    for log, last in zip(train_logs, (norms[1], norms[3])):
+        assert log["gradscope/grad_norm"] == pytest.approx(log["grad_norm"], rel=1e-5)
+        assert log["gradscope/grad_norm"] == pytest.approx(last, rel=1e-6)
+    assert norms[0] != pytest.approx(norms[1], rel=1e-3)  # else the mean would pass as well
+    with open_run(run) as r:
+        evals = r.evals_wide()
+    eval_logs = [log for log in trainer.state.log_history if "eval_loss" in log]
+    assert list(evals.index) == [log["step"] for log in eval_logs] == [4]
+    np.testing.assert_allclose(evals["reward"].to_numpy(), [log["eval_reward"] for log in eval_logs])
+    with pytest.raises(RunFileError, match=r"run\.h5: already exists; .*never replaces a run file: pass another run_file"):
+        trainer.train()
 
 
 def test_update_attribution_in_the_run_file(tmp_path):
