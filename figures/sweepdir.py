@@ -19,6 +19,8 @@ without ``cells.json`` counts every ``*.h5`` in it and in ``runs/``.
   for every cell group that has both policies;
 * ``figures/cliffs.png`` — Fig 6: gradient dynamics around the terminal cliffs of up to four runs
   (the deepest; none drawn when no run fell off a cliff).
+
+A figure of these names in ``figures/`` that the report does not draw (an earlier report's) is removed.
 """
 from __future__ import annotations
 
@@ -80,6 +82,10 @@ def _note(message: str) -> None:
     print(f"gradscope: note: {message}", file=sys.stderr)
 
 
+#: The names of the report's figures in ``figures/``: any of them this report does not draw is removed.
+REPORT_FIGURES = ("delta*.png", "ipsp_*.png", "cliffs.png")
+
+
 def write_report(folder: str | Path, on_skip: Callable[[str], None] = _note) -> list[Path]:
     """Write the folder's tables and figures (module doc); returns the paths written."""
     from gradscope.figures.cliffs import cliff_figure
@@ -119,6 +125,8 @@ def write_report(folder: str | Path, on_skip: Callable[[str], None] = _note) -> 
         attempt("cliffs", lambda: cliff_figure([s for _, s in cliffs]))
     else:
         on_skip("cliffs not drawn: no run of the sweep fell off a terminal cliff")
+    for stale in (p for pattern in REPORT_FIGURES for p in figs.glob(pattern) if p not in written and p.is_file()):
+        stale.unlink()  # an earlier report's figure of cells (or a cliff) this one no longer has
     return written
 
 

@@ -27,8 +27,9 @@ class Follower:
         self.last_step = -1   # last training step evaluated
 
     def poll(self, below_step: int | None = None) -> list[Alert]:
-        """Evaluate every newly completed step (only those before ``below_step``, if given);
-        returns the alerts fired."""
+        """Evaluate every newly completed step; returns the alerts fired. With ``below_step``: only the
+        steps before it, which the caller knows to be complete (a resumed run's checkpoint covers them),
+        also the last one a killed writer left."""
         run = self.run.refresh()
         closed = run.closed
         rec_step = run.read("step", self.next["records"])
@@ -36,9 +37,8 @@ class Follower:
         seen = [int(a.max()) for a in (rec_step, *(t["step"] for t in tables.values())) if len(a)]
         if not seen:
             return []
-        horizon = np.inf if closed else max(seen) - 1
-        if below_step is not None:
-            horizon = min(horizon, below_step - 1)
+        # a live or killed writer's last step may be incomplete, unless the caller vouches for it
+        horizon = below_step - 1 if below_step is not None else np.inf if closed else max(seen) - 1
         items: list[tuple[int, int, object]] = []
         n_rec = int(np.searchsorted(rec_step, horizon, side="right")) if np.isfinite(horizon) else len(rec_step)
         if n_rec:

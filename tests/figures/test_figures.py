@@ -328,3 +328,24 @@ def test_legends_do_not_cover_data(runs):
     for ax in fig.axes:
         box = ax.get_legend().get_window_extent(r)
         assert box.y1 <= ax.get_window_extent(r).y0 and box.y0 >= page.y0 - 1
+
+
+def test_a_report_removes_the_figures_of_the_one_before_that_it_does_not_draw(tmp_path):
+    """A sweep folder reported again with other runs (a rerun with fewer cells, no cliff any more): its
+    figures/ holds this report's figures only, not the earlier IP-vs-SP and cliff figures; other files
+    stay."""
+    from gradscope.figures.sweepdir import write_report
+    from tests.figures.conftest import write_run
+
+    folder = tmp_path / "sweep"
+    (folder / "runs").mkdir(parents=True)
+    for name, kw in {"ip_cliff": dict(policy="ip", cliff=True), "sp": dict(policy="sp")}.items():
+        write_run(folder / "runs" / f"{name}.h5", **kw)
+    first = {p.name for p in write_report(folder, on_skip=lambda line: None) if p.parent.name == "figures"}
+    assert {"cliffs.png", "ipsp_voting_math_testbed.png"} <= first
+    (folder / "figures" / "notes.txt").write_text("mine")
+    (folder / "runs" / "ip_cliff.h5").unlink()
+    skipped: list[str] = []
+    second = {p.name for p in write_report(folder, on_skip=skipped.append) if p.parent.name == "figures"}
+    assert sorted(p.name for p in (folder / "figures").iterdir()) == sorted(second | {"notes.txt"})
+    assert "cliffs.png" not in second and "ipsp_voting_math_testbed.png" not in second and skipped

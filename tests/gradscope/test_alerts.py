@@ -15,6 +15,7 @@ import pytest
 from gradscope.analyses.series import RunSeries
 from gradscope.alerts import DEFAULT_RULES, AlertEngine, Monitor, StepValues, load_rules, parse_rule
 from gradscope.alerts.engine import min_history
+from gradscope.alerts.watch import Follower
 from gradscope.errors import ConfigError
 from gradscope.runfile import RunMeta, RunWriter, open_run
 
@@ -411,6 +412,40 @@ def test_catch_up_restores_the_rules_state(tmp_path):
     for acc in (0.3, 0.3):
         fresh.evals(3, {"accuracy": acc})
     assert len(resumed.fired) == 1 and resumed.stop_requested is not None and not fresh.fired
+
+
+def test_catch_up_after_a_kill_keeps_the_checkpointed_last_step(tmp_path):
+    """A writer killed right after the checkpoint of step 2 leaves a file not closed whose last step is 2: a
+    live reader must wait for more of it, but a resume from that checkpoint vouches for it, so catching
+    up feeds step 2 too (its evaluation was dropped: a cliff alert the uninterrupted run fires was lost)."""
+    import h5py
+
+    from gradscope.alerts.watch import catch_up
+    from gradscope.runfile import schema
+
+    meta = RunMeta(agents=AGENTS, agent_roles=ROLES, roles=["voter", "aggregator"])
+    path = tmp_path / "r.h5"
+    with RunWriter(path, meta) as w:
+        for step, acc in ((0, 0.6), (1, 0.6), (2, 0.3)):
+            w.log_step(step, np.eye(4), np.ones(4)) if step else None
+            w.log_eval(step, {"accuracy": acc})
+    with h5py.File(path, "r+") as f:  # as a SIGKILL leaves it: every row committed, the file not closed
+        committed = f[schema.COMMITTED][...]
+        committed[schema.COMMITTED_FIELDS.index("closed")] = 0
+        f[schema.COMMITTED][...] = committed
+    rule = parse_rule("acc_drop > 0.1")
+    resumed = Monitor([rule], AGENTS, ROLES, echo=lambda line: None)
+    catch_up(str(path), resumed, below_step=3)
+    fresh = Monitor([rule], AGENTS, ROLES, echo=lambda line: None)
+    for step, acc in ((0, 0.6), (1, 0.6), (2, 0.3)):
+        fresh.evals(step, {"accuracy": acc})
+    resumed.evals(3, {"accuracy": 0.3})
+    fresh.evals(3, {"accuracy": 0.3})
+    assert [a.step for a in resumed.fired] == [a.step for a in fresh.fired] == [3]
+    with open_run(path) as run:  # a plain reader still waits for the writer on the last step
+        follower = Follower(run, Monitor([rule], AGENTS, ROLES, echo=lambda line: None))
+        follower.poll()
+        assert not run.closed and follower.last_step == 1
 
 
 @pytest.mark.parametrize("args, expected", [

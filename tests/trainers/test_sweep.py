@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from gradscope.cli import main
+from gradscope.errors import GradscopeError
 from gradscope.runfile import open_run
 from gradscope.trainers.sweep.config import load_spec
 from gradscope.trainers.sweep.grid import expand
@@ -99,6 +101,15 @@ def test_variants_are_one_axis_of_named_flag_sets(tmp_path):
     assert cells[2].argv == ["--policy", "sp"]
 
 
+def test_the_documented_example_file_is_valid():
+    """docs/sweep.md's example, as printed: 3 workflows × 2 tasks × 2 policies × 2 scales × 3 seeds × 2 lr
+    × 3 variants (its coherence variant named the voter role, which eval-opt lacks: exit 2)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sweep.md").read_text()
+    block = text.split("## The file", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    cells = expand(load_spec(write(Path(tempfile.mkdtemp()), block)))
+    assert len(cells) == 432 and cells[0].name == "voting_math_ip_0.3M_lr=0.001_none_seed0"
+
+
 def test_cells_names_and_command_lines(tmp_path):
     spec = load_spec(write(tmp_path, "train:\n  steps: 5\n  default_alerts: false\n"
                                      "grid:\n  seed: [0, 1]\n  workflow: voting\n  kl_coef: ['voter=0.05', 0]\n"
@@ -170,6 +181,29 @@ def test_tiny_sweep_killed_midway_resumes_without_redoing_finished_runs(tmp_path
     proc = subprocess.run(GRADSCOPE + ["table", str(out), "--over", "seed", "--format", "csv"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and len(proc.stdout.strip().splitlines()) == 1 + 4
+
+
+def test_a_sweep_started_with_sigint_ignored_still_stops_on_it(tmp_path):
+    """`&` in a script or nohup starts the sweep with SIGINT ignored: it re-arms it, as the trainer does, so
+    SIGINT interrupts every run (each closes its file) and the sweep exits 130."""
+    config, out = write(tmp_path, TINY.format(steps=50)), tmp_path / "out"
+    proc = subprocess.Popen(GRADSCOPE + ["sweep", str(config), "--out", str(out), "--jobs", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    _wait_for(lambda: any(open_run_closed(p) is False for p in (out / "runs").glob("*.h5")), proc)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert [open_run_closed(p) for p in (out / "runs").glob("*.h5")] == [True]
+
+
+def open_run_closed(path: Path) -> bool | None:
+    """Whether the run file's writer closed it (None while it cannot be read yet)."""
+    try:
+        with open_run(path) as run:
+            return run.closed
+    except (GradscopeError, OSError):
+        return None
 
 
 @pytest.mark.slow

@@ -29,6 +29,8 @@ def sweep_main(config: str, out: str | None, jobs: int, dry_run: bool = False) -
         return folder, None
     make_folder(folder)
     signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: every run is interrupted and closes its file
+    # SIGINT too when inherited ignored (`&` in a script, nohup), as `gradscope train` does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with folder_lock(folder):
         planned = plan(cells, folder)
         write_manifest(folder, cells, Path(config))
