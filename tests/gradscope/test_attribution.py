@@ -77,32 +77,33 @@ def test_seq_first_with_t_equal_b_and_no_check_falls_back_to_split(method):
     assert rel_err(result.gram, expected) < 1e-10
 
 
+def seq_first_step(probe, layer, params, step: int, T: int, agents) -> str:
+    """One probed step of :func:`seq_first_case`'s layer on 4 rows of T tokens (row b: ``agents[b]``): its
+    Gram checked against brute force; returns the record's method."""
+    x = torch.randn(T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+    adv = torch.tensor([1.0, -0.5, 0.8, 0.3], dtype=torch.float64)[:, None]
+    ids = torch.as_tensor(agents)[:, None].expand(4, T)
+
+    def forward():
+        return adv * layer(x).square().sum(-1).T / 10  # (B, T)
+    expected = brute_force_gram({a: forward()[ids == k].sum() for k, a in enumerate(AGENTS)}, [p for _, p in params])
+    layer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with probe.step(step) as s:
+            s.backward_tokens(forward(), ids)
+    assert rel_err(s.result.gram, expected) < 1e-10
+    return s.result.method
+
+
 def test_the_dimension_the_first_check_confirmed_holds_at_later_steps():
     """Sequence-first (T, B, d), T != B: the only dimension of size B is not the leading one, a guess, which
     the default check (the first step) confirms; later steps with T == B (varying sequence lengths) or
     T != B use the confirmed dimension: hooks, the right Gram."""
-    first_T = 5
-    layer, params, _, _, _ = seq_first_case(T=first_T)
+    layer, params, _, _, _ = seq_first_case(T=5)
     probe = Probe(layer, AGENTS, ROLES, params=params, method="hooks")
-    seen = []
     try:
-        for step, T in enumerate((first_T, 4, 6)):
-            x = torch.randn(T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-            adv = torch.tensor([1.0, -0.5, 0.8, 0.3], dtype=torch.float64)[:, None]
-            agent_ids = ROW_AGENT[:, None].expand(4, T)
-
-            def forward():
-                return adv * layer(x).square().sum(-1).T / 10  # (B, T)
-            loss = forward()
-            expected = brute_force_gram({a: loss[agent_ids == k].sum() for k, a in enumerate(AGENTS)},
-                                        [p for _, p in params])
-            layer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                with probe.step(step) as s:
-                    s.backward_tokens(forward(), agent_ids)
-            seen.append(s.result.method)
-            assert rel_err(s.result.gram, expected) < 1e-10
+        seen = [seq_first_step(probe, layer, params, step, T, ROW_AGENT) for step, T in enumerate((5, 4, 6))]
     finally:
         probe.close()
     assert seen == ["hooks+check", "hooks", "hooks"] and probe.state_dict()["state"]["batch_dims"] == {"linear1": 1, "linear2": 1}
@@ -173,28 +174,13 @@ def test_a_check_on_rows_of_one_agent_confirms_no_batch_dimension(method):
     before, and the next step with two agents was 62 % off, unwarned). That next step goes through split."""
     layer, params, _, _, _ = seq_first_case(T=4)
     probe = Probe(layer, AGENTS, ROLES, params=params, method=method)
-    seen = []
     try:
-        for step, agents in enumerate(([0, 0, 0, 0], [0, 1, 0, 1])):
-            x = torch.randn(4, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-            ids = torch.tensor(agents)[:, None].expand(4, 4)
-
-            def forward():
-                return layer(x).square().sum(-1).T / 10   # (B, T)
-            expected = brute_force_gram({a: forward()[ids == k].sum() for k, a in enumerate(AGENTS)},
-                                        [p for _, p in params])
-            layer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                with probe.step(step) as s:
-                    s.backward_tokens(forward(), ids)
-            seen.append(s.result.method)
-            assert rel_err(s.result.gram, expected) < 1e-10
-            if step == 0:
-                assert probe.state_dict()["state"]["batch_dims"] == {}
+        first = seq_first_step(probe, layer, params, 0, 4, [0, 0, 0, 0])
+        fixed = probe.state_dict()["state"]["batch_dims"]
+        second = seq_first_step(probe, layer, params, 1, 4, [0, 1, 0, 1])
     finally:
         probe.close()
-    assert seen == ["hooks+check", "split-fallback:unmatched-rows"]
+    assert (first, fixed, second) == ("hooks+check", {}, "split-fallback:unmatched-rows")
 
 
 # ---------------------------------------------------------------- several forwards, any order
