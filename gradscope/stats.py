@@ -436,7 +436,8 @@ def derive_updates(U: ArrayLike, I: ArrayLike, unit_roles: Sequence[str], agent_
     with c over ``roles + UPDATE_EXTRAS`` and r, s over roles: ``total_update_norm`` (``‖Δθ‖``),
     ``role_update_norm/<c>``, ``update_share/<c>`` (``<Δθ_c, Δθ>/‖Δθ‖²``, sums to 1),
     ``update_cos/<r>|<s>`` (upper triangle) and ``interference/<c>|<s>``. A step whose U holds a
-    non-finite entry is NaN in every column; interference columns are NaN where I is.
+    non-finite entry is NaN in every column derived from U; the interference columns derive from I
+    alone, NaN where I is.
     """
     roles = list(dict.fromkeys(agent_roles)) if roles is None else list(roles)
     U = _gram(U)

@@ -210,6 +210,7 @@ class _Piece:
     ambiguous: bool = False   # the batch dimension is a guess by size (see _match), not verified
     candidates: tuple = ()    # the input's dimensions of size B
     edge: object = None       # the output's GradientEdge: reachable from a loss? its gradient (self-check)
+    trained: tuple | None = None  # (weight, bias) the call trained, where a probed one was frozen when it ran
 
 
 class _Fallback(Exception):
@@ -326,6 +327,10 @@ class HooksMethod(GramMethod):
         # (the output is never a leaf: its edge is its grad_fn; get_gradient_edge's checks cost ~40 µs a call)
         edge = GradientEdge(output.grad_fn, output.output_nr) if output.grad_fn is not None else get_gradient_edge(output)
         piece = _Piece(layer, forward, args[0].detach(), edge=edge)
+        if any(i is not None and not self.params[i].requires_grad for i in (layer.weight, layer.bias)):
+            # frozen since the probe was built: autograd gives it no gradient in this call, nor may hooks
+            piece.trained = tuple(i if i is not None and self.params[i].requires_grad else None
+                                  for i in (layer.weight, layer.bias))
         forward.pieces.append(piece)
         if fused.is_hooked(output):
             if self.store is None:
@@ -377,6 +382,29 @@ class HooksMethod(GramMethod):
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
             return None
+        if piece.trained is None:
+            return self._attribute(piece, x, grad, fused)
+        with self._as_trained(piece):
+            return self._attribute(piece, x, grad, fused)
+
+    @contextmanager
+    def _as_trained(self, piece: _Piece) -> Iterator[None]:
+        """The call's layer with only the parameters the call trained (see :attr:`_Piece.trained`)."""
+        layer = piece.layer
+        if piece.trained is None:
+            yield
+            return
+        probed = layer.weight, layer.bias
+        layer.weight, layer.bias = piece.trained
+        try:
+            yield
+        finally:
+            layer.weight, layer.bias = probed
+
+    def _attribute(self, piece: _Piece, x: torch.Tensor, grad: torch.Tensor,
+                   fused: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """:meth:`_on_grad`'s work for a call of this probed backward: its per-agent contributions."""
+        forward = piece.forward
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:  # (a backward runs without grad)
             layer = piece.layer
             if piece.dim:
@@ -385,8 +413,9 @@ class HooksMethod(GramMethod):
                     and bool(grad.reshape(forward.rows, -1)[forward.unowned].any()):
                 self._unowned_grad = layer.name
             if layer.embedding:
-                self._add_magnitude(layer.weight, _norm(grad) * grad[..., 0].numel() ** 0.5)
-                self._embedding_rows(layer, forward, x, grad)
+                if layer.weight is not None:
+                    self._add_magnitude(layer.weight, _norm(grad) * grad[..., 0].numel() ** 0.5)
+                    self._embedding_rows(layer, forward, x, grad)
                 return None
             A = x.reshape(forward.rows, -1, x.shape[-1])
             G = grad.reshape(forward.rows, -1, grad.shape[-1])
@@ -747,11 +776,13 @@ class HooksMethod(GramMethod):
                 for (piece, x, _), G in zip(calls, grads):
                     if G is None:
                         continue
-                    if piece.layer.embedding:
-                        self._embedding_rows(piece.layer, whole, x, G, self._check)
-                    else:
-                        self._linear_to_store(piece.layer, whole, x.reshape(1, -1, x.shape[-1]).to(self.dtype),
-                                              G.reshape(1, -1, G.shape[-1]).to(self.dtype), self._check)
+                    with self._as_trained(piece):
+                        if piece.layer.embedding:
+                            if piece.layer.weight is not None:
+                                self._embedding_rows(piece.layer, whole, x, G, self._check)
+                        else:
+                            self._linear_to_store(piece.layer, whole, x.reshape(1, -1, x.shape[-1]).to(self.dtype),
+                                                  G.reshape(1, -1, G.shape[-1]).to(self.dtype), self._check)
 
     def _prune(self, keep: Callable[[_Forward], bool]) -> None:
         """Keep the forwards ``keep`` accepts; the others release their calls. A call's edge holds its autograd

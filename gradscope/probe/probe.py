@@ -438,4 +438,9 @@ def _named_params(model: nn.Module | None, params: ParamsLike | None) -> list[tu
         if id(p) not in seen:
             seen.add(id(p))
             unique.append((name, p))
+    names = [n for n, _ in unique]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a name keys the parameter's groups, state and sketch hashes: two would share them
+        raise ProbeError(f"params: two parameters are both named {twice[0]!r}; give each (name, param) pair a name of "
+                         "its own (e.g. from model.named_parameters(), not each submodule's)")
     return unique

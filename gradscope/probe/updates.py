@@ -403,6 +403,8 @@ class AdamTracker:
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Before the step: θ and Adam's step count of every parameter about to move, and the factor c."""
         own = self.owner
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}  # add_param_group since
+        self.covered = [i for i, p in enumerate(own.params) if id(p) in mine]
         self._use = own.pending is not None and own.pending_id != self.consumed
         self._before = {}
         dot = norm = 0.0

@@ -13,7 +13,7 @@ from gradscope.errors import ProbeError
 from gradscope.peft_support import adapter_parameters, use_adapter
 from gradscope.probe import Probe
 from gradscope.probe import hooks as hooks_module
-from tests.gradscope.test_probe import AGENTS, ROLES, brute_force_gram, rel_err
+from tests.gradscope.test_probe import AGENTS, ROLES, brute_force_gram, make_mlp, rel_err
 from tests.gradscope.tiny_lm import batch, tiny_lora_lm
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-9}
@@ -545,6 +545,29 @@ def test_models_that_run_unprobed_run_probed(model_of):
     finally:
         probe.close()
     assert s.result.method == "hooks+check" and rel_err(s.result.gram, expected) < 1e-5
+
+
+@pytest.mark.parametrize("frozen", ["0.weight", "2.", "0.bias"])
+def test_a_parameter_frozen_between_steps_gets_no_per_agent_gradient(frozen):
+    """requires_grad_(False) on a probed parameter after the probe was built: autograd gives it no gradient,
+    so hooks must not attribute one (the add-up check failed, blaming a weight used outside its layer)."""
+    model = make_mlp().double()
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rows = torch.arange(4)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    try:
+        for step in range(2):
+            for name, p in model.named_parameters():
+                p.requires_grad_(step == 0 or not name.startswith(frozen))
+            trained = [p for p in model.parameters() if p.requires_grad]
+            expected = brute_force_gram({a: model(x).square().sum(1)[rows == k].sum() for k, a in enumerate(AGENTS)},
+                                        trained)
+            model.zero_grad(set_to_none=True)
+            with probe.step(step) as s:
+                s.backward_rows(model(x).square().sum(1), rows)
+            assert s.result.method.startswith("hooks") and rel_err(s.result.gram, expected) < 1e-10
+    finally:
+        probe.close()
 
 
 def test_a_sparse_embedding_is_measured_by_split():

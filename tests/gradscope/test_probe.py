@@ -49,6 +49,16 @@ def make_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+def test_parameters_of_one_name_are_refused():
+    """A name keys a parameter's group, state and sketch hash: two parameters named alike (each submodule's
+    named_parameters()) made the sketch hash them alike, its Gram biased ×2 and unseen."""
+    model = make_mlp()
+    named = list(model[0].named_parameters()) + list(model[2].named_parameters())
+    with pytest.raises(ProbeError, match="two parameters are both named 'bias'"):
+        Probe(model, AGENTS, ROLES, params=named, sketch=8)
+    Probe(model, AGENTS, ROLES, params=list(model.parameters()), sketch=8).close()  # bare: param0, param1, ...
+
+
 def test_mlp_gram_equals_brute_force_and_grad_is_unchanged():
     model = make_mlp()
     reference = copy.deepcopy(model)

@@ -284,6 +284,26 @@ def test_sampled_mode_is_unbiased_over_seeds():
         assert (values.std(0) > 0).any()  # it is an estimate, not the exact value
 
 
+def test_a_param_group_added_after_attach_is_attributed():
+    """Progressive unfreezing: add_param_group after attach. The new group's parameters move from then on,
+    and their moves are split too (they were left out: ΣU fell short of ‖Δθ‖² by 48 %, unseen)."""
+    model = make_mlp().double()
+    opt = torch.optim.AdamW(model[0].parameters(), lr=3e-2, weight_decay=0.1)
+    probe = Probe(model, AGENTS, ROLES, method="split", optimizer=opt)
+    for t in range(3):
+        if t == 1:
+            opt.add_param_group({"params": list(model[2].parameters())})
+        model.zero_grad(set_to_none=True)
+        with probe.step(t) as s:
+            s.backward(mlp_terms(model, t))
+        theta0 = flat(model.parameters())
+        opt.step()
+        moved = flat(model.parameters()) - theta0
+        u = probe.last_update
+        assert u.gram.sum() == pytest.approx(float(moved @ moved), rel=1e-10) and u.residual < 1e-12
+        assert (float(moved[theta0.numel() - 51:] @ moved[theta0.numel() - 51:]) > 0) == (t > 0)  # model[2] moved
+
+
 def test_other_optimizers_and_misuse_are_clear_errors():
     model = make_mlp()
     probe = Probe(model, AGENTS, ROLES)
