@@ -6,7 +6,8 @@ is either a folder — the store is then the SQLite database ``DEST/mlflow.db`` 
 recommended local store; view with ``mlflow ui --backend-store-uri sqlite:///DEST/mlflow.db``) — or
 a tracking URI (``sqlite:///...``, ``file:...``, ``http://...``), used as given. Runs go to the
 experiment ``gradscope``. Text (alerts, findings) becomes one artifact per tag,
-``<tag>.txt`` (e.g. ``gradscope/events.txt``), lines prefixed with their step, written at close.
+``<tag>.txt`` (e.g. ``gradscope/events.txt``), lines prefixed with their step, rewritten with every
+new line (an alert shows in the dashboard while the run goes on; MLflow appends to no artifact).
 """
 from __future__ import annotations
 
@@ -73,10 +74,9 @@ class MlflowSink(Sink):
 
     def text(self, step: int, tag: str, lines: Sequence[str]) -> None:
         self._text[tag] += [f"step {step}: {line}" for line in lines]
+        self.client.log_text(self.run_id, "\n".join(self._text[tag]) + "\n", f"{tag}.txt")
 
     def close(self) -> None:
-        for tag, lines in self._text.items():
-            self.client.log_text(self.run_id, "\n".join(lines) + "\n", f"{tag}.txt")
         self.client.set_terminated(self.run_id)
 
 

@@ -98,6 +98,17 @@ def test_export_mlflow_local_store(ip_run, tmp_path, capsys):
     assert "cliff" in texts["gradscope/findings.txt"]
 
 
+def test_mlflow_text_is_there_while_the_run_goes_on(tmp_path):
+    """An alert shows in MLflow when it fires, not only once the run closes (a killed run lost them all)."""
+    sink = open_sink("mlflow", tmp_path, run_name="r", config={})
+    sink.text(3, "gradscope/events", ["[warning] alert: a"])
+    assert readback.mlflow_texts(tmp_path) == {"gradscope/events.txt": "step 3: [warning] alert: a\n"}
+    sink.text(5, "gradscope/events", ["[critical] alert: b"])
+    assert readback.mlflow_texts(tmp_path)["gradscope/events.txt"].splitlines() == [
+        "step 3: [warning] alert: a", "step 5: [critical] alert: b"]
+    sink.close()
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "missing.h5"), "--to", "tensorboard", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("gradscope: error: ")
