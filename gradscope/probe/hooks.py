@@ -13,11 +13,14 @@ and every row must belong to one agent. Agent k's part of a Linear layer's gradi
 **Which row is whose.** Each forward carries the agent of each of its rows: given with the forward
 (``with s.rows(agent_of_row):``, any number of forwards, in any order) or, for the single untagged
 forward since the previous backward, taken from the loss's rows. Each layer call is matched to its
-forward's B rows by shape: the dimension of the layer input of size B (``batch_dim`` when given);
-when several dimensions have size B (a sequence-first input with T == B) the first is used and the
-self-check verifies it (below) — in a call no check measures, unless an earlier check confirmed the
-layer's dimension, the call falls back to split; when none has, the call falls back to split too,
-naming the layer.
+forward's B rows by shape: the dimension of the layer input of size B (``batch_dim`` when given).
+It is taken unchecked only when it is the input's leading dimension and no other has size B; else
+it is a guess (several of size B, the first used: a sequence-first input with T == B; or only a
+non-leading one: a sequence-first input, or the sequence axis of a chunk of the batch with T == B)
+that the self-check verifies (below) — in a call no check measures, unless an earlier check
+confirmed the layer's dimension, the call falls back to split and the check is re-armed for the
+next probed step. Rows all of one agent attribute alike whatever the dimension: no guess. An input
+with no dimension of size B falls back to split too, naming the layer.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
 **Self-check.** On the first probed step with a call that hooks attributes from per-row or per-token
@@ -326,11 +329,13 @@ class HooksMethod(GramMethod):
             forward = self._forwards[-1]
         # (the output is never a leaf: its edge is its grad_fn; get_gradient_edge's checks cost ~40 µs a call)
         edge = GradientEdge(output.grad_fn, output.output_nr) if output.grad_fn is not None else get_gradient_edge(output)
-        piece = _Piece(layer, forward, args[0].detach(), edge=edge)
+        trained = None
         if any(i is not None and not self.params[i].requires_grad for i in (layer.weight, layer.bias)):
             # frozen since the probe was built: autograd gives it no gradient in this call, nor may hooks
-            piece.trained = tuple(i if i is not None and self.params[i].requires_grad else None
-                                  for i in (layer.weight, layer.bias))
+            trained = self._trained(layer.weight, layer.bias)
+            if trained == (None, None):
+                return  # nothing of this call to attribute
+        piece = _Piece(layer, forward, args[0].detach(), edge=edge, trained=trained)
         forward.pieces.append(piece)
         if fused.is_hooked(output):
             if self.store is None:
@@ -382,10 +387,18 @@ class HooksMethod(GramMethod):
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
             return None
+        layer = piece.layer
+        if any(i is not None and not self.params[i].requires_grad for i in piece.trained or (layer.weight, layer.bias)):
+            # (also frozen after the call: AccumulateGrad then drops the gradient)
+            piece.trained = self._trained(*(piece.trained or (layer.weight, layer.bias)))
         if piece.trained is None:
             return self._attribute(piece, x, grad, fused)
         with self._as_trained(piece):
             return self._attribute(piece, x, grad, fused)
+
+    def _trained(self, weight: int | None, bias: int | None) -> tuple[int | None, int | None]:
+        """``(weight, bias)`` with the parameters that do not require a gradient now as None."""
+        return tuple(i if i is not None and self.params[i].requires_grad else None for i in (weight, bias))
 
     @contextmanager
     def _as_trained(self, piece: _Piece) -> Iterator[None]:
@@ -425,7 +438,7 @@ class HooksMethod(GramMethod):
             if self.store is not None:
                 self._linear_magnitudes(layer, x, grad, self._linear_to_store(layer, forward, A, G))
                 return None
-            dW, db, sizes = self._linear(layer, forward, A, G)
+            dW, db, sizes = self._linear(layer, forward, A, G, x)
             if self._check is not None or dW is None or not fused:
                 # the self-check compares with split's Gᵀ A, and autograd sums Gᵀ A itself: bound the token terms
                 self._linear_magnitudes(layer, x, grad)
@@ -462,9 +475,10 @@ class HooksMethod(GramMethod):
         self._magnitude[i] = value if i not in self._magnitude else self._magnitude[i] + value
 
     # ------------------------------------------------------------------ per-agent contributions
-    def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor,
-                G: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
-        """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent.
+    def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
+                x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
+        """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent; ``x`` is the
+        layer's input A comes from (rows kept until ``end`` must not be views of it).
 
         Returns ``(dW, db, sizes)``: the call's weight gradient ``Σ_b G_bᵀ A_b`` (d_out, d_in) and bias
         gradient (d_out,) where the products formed for the agents (per row, or per agent over its
@@ -482,7 +496,7 @@ class HooksMethod(GramMethod):
         if layer.weight not in self._dense and (layer.n_rows + n_new) * (d_in + d_out) < GHOST_FACTOR * d_in * d_out:
             tokens = fwd.kept.repeat_interleave(A.shape[1])
             rows = fwd.owned(A).flatten(0, 1)
-            if rows.untyped_storage().data_ptr() == A.untyped_storage().data_ptr():
+            if rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
                 rows = rows.clone()  # kept until end(): not a view of the caller's input, which may be reused
             layer.rows.append((rows, fwd.owned(G).flatten(0, 1), tokens))
             layer.n_rows += n_new
@@ -649,6 +663,7 @@ class HooksMethod(GramMethod):
             return
         live = [f for f in self._forwards if not f.consumed and f.pieces and f is not self._tagged]
         if self.failed_check and self.strict:
+            self._prune(lambda f: f is self._tagged)  # (an error a loop catches must not keep the graphs alive)
             raise ProbeError((self._failure or "hooks failed its self-check") + " (at an earlier step; method='hooks' "
                              "does not fall back to split: use method='auto' or 'split', or a new probe once the "
                              "cause is fixed)")
@@ -659,10 +674,13 @@ class HooksMethod(GramMethod):
             checking = self._check is not None and terms is not None
             ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
             if ambiguous and not checking:  # no check in this call to tell which dimension is the batch one
+                if self.check_every is not None and not self.failed_check:
+                    self._steps_since_check = None  # the next probed step checks (and fixes) the dimension
                 raise _Fallback("unmatched-rows", f"{_guessed(ambiguous[0])} and no self-check runs in this call to "
                                 "confirm it; tag the forward with s.rows(agent_of_row, batch_dim=d)")
         except _Fallback as fb:
             if terms is None:
+                self._prune(lambda f: f is self._tagged)
                 raise ProbeError(f"hooks cannot attribute this loss: {fb}; and split cannot split a scalar loss. "
                                  "Pass per-row losses (backward_rows with a (B,) loss) or per-token losses") from None
             if fb.reason != "check-failed" and not self.grad_reduced:
@@ -830,6 +848,8 @@ class HooksMethod(GramMethod):
             checked = self._check is not None and self._checkable and self._checked_calls > 0
             unowned, outside = self._unowned_grad, self._outside
             self._reset()
+        if failure is not None and self.strict:
+            self.failed_check, self._failure = True, failure  # every later call raises too: no unchecked hooks
         if bad:
             if unowned is not None:
                 raise ProbeError(f"hooks: rows tagged with no agent (-1) receive gradient at layer {unowned!r}: "
@@ -843,7 +863,6 @@ class HooksMethod(GramMethod):
             raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
                              f"gradient; {cause}. Use method='split'")
         if failure is not None and self.strict:
-            self.failed_check, self._failure = True, failure  # every later call raises too: no unchecked hooks
             raise ProbeError(failure)
         self.record = ("split-fallback:" + self._reasons[0] if self._reasons
                        else "hooks+check" if checked else "hooks")
@@ -940,6 +959,7 @@ class HooksMethod(GramMethod):
 
     def abort(self) -> None:
         self._reset()  # .grad already holds what the ordinary backward(s) left
+        self._prune(lambda f: f is self._tagged)  # the failed step's forwards: not kept alive
 
     def state_dict(self) -> dict[str, Any]:
         """The self-check's schedule and outcome, the fallback count and the layers' verified batch

@@ -24,6 +24,7 @@ per-role updates (docs/probe.md, "Update attribution"; ``probe.last_update``).
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -319,7 +320,8 @@ class ProbeStep:
             agent_of_row: (B,) agent index (or name) of each row of the batch; -1 (or None) for a row
                 of no agent, whose loss must be 0.
             batch_dim: which dimension of each hooked layer's input is the batch (default: the one of
-                size B; needed when several have size B and the self-check is off).
+                size B, taken unchecked only when it is the leading one and no other has size B; a guess
+                otherwise, which the self-check verifies or, where no check runs, split measures).
 
         Tagged forwards are matched to their rows whatever order the losses are concatenated in, and
         any number of them may precede one backward (e.g. one forward per role).
@@ -438,8 +440,7 @@ def _named_params(model: nn.Module | None, params: ParamsLike | None) -> list[tu
         if id(p) not in seen:
             seen.add(id(p))
             unique.append((name, p))
-    names = [n for n, _ in unique]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(n for n, c in Counter(n for n, _ in unique).items() if c > 1)
     if twice:  # a name keys the parameter's groups, state and sketch hashes: two would share them
         raise ProbeError(f"params: two parameters are both named {twice[0]!r}; give each (name, param) pair a name of "
                          "its own (e.g. from model.named_parameters(), not each submodule's)")

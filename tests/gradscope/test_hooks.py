@@ -547,25 +547,34 @@ def test_models_that_run_unprobed_run_probed(model_of):
     assert s.result.method == "hooks+check" and rel_err(s.result.gram, expected) < 1e-5
 
 
+@pytest.mark.parametrize("when", ["before-forward", "before-backward"])
 @pytest.mark.parametrize("frozen", ["0.weight", "2.", "0.bias"])
-def test_a_parameter_frozen_between_steps_gets_no_per_agent_gradient(frozen):
-    """requires_grad_(False) on a probed parameter after the probe was built: autograd gives it no gradient,
-    so hooks must not attribute one (the add-up check failed, blaming a weight used outside its layer)."""
+def test_a_parameter_frozen_between_steps_gets_no_per_agent_gradient(frozen, when):
+    """requires_grad_(False) on a probed parameter after the probe was built, before the step's forward or
+    between it and the backward (AccumulateGrad then drops the gradient): it gets no .grad, so hooks must
+    not attribute one (the add-up check failed, blaming a weight used outside its layer)."""
     model = make_mlp().double()
     x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     rows = torch.arange(4)
     probe = Probe(model, AGENTS, ROLES, method="hooks")
+
+    def freeze(step):
+        for name, p in model.named_parameters():
+            p.requires_grad_(step == 0 or not name.startswith(frozen))
     try:
         for step in range(2):
-            for name, p in model.named_parameters():
-                p.requires_grad_(step == 0 or not name.startswith(frozen))
+            freeze(step)
             trained = [p for p in model.parameters() if p.requires_grad]
             expected = brute_force_gram({a: model(x).square().sum(1)[rows == k].sum() for k, a in enumerate(AGENTS)},
                                         trained)
             model.zero_grad(set_to_none=True)
+            freeze(0 if when == "before-backward" else step)
             with probe.step(step) as s:
-                s.backward_rows(model(x).square().sum(1), rows)
+                loss = model(x).square().sum(1)
+                freeze(step)
+                s.backward_rows(loss, rows)
             assert s.result.method.startswith("hooks") and rel_err(s.result.gram, expected) < 1e-10
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     finally:
         probe.close()
 
