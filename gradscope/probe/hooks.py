@@ -884,17 +884,23 @@ class HooksMethod(GramMethod):
         """Compare this step's hooks Grams with the check's; a message naming what differs, or None."""
         if self._check is None:
             return None
-        if not self._checkable or not self._checked_calls:  # no hooks call to check: the check waits
+        mine = self._checkable and self._checked_calls > 0  # this rank has a hooks call to check
+        # over ranks, every rank takes part (also one whose share of the batch was empty) and decides alike
+        ranks = self._check.group is None and self.store is not None and self.store.group is not None
+        if not mine and not ranks:  # no hooks call to check: the check waits
             return None
         tol, eps = add_up_tolerance(self._grad_dtype())
-        split = self._check.local_grams()
-        magnitude = np.zeros(self.n_groups)
-        for i, m in self._magnitude.items():
-            magnitude[self.group_index[i]] += float(m) ** 2
-        bad = _differs(grams, split, tol, eps, np.sqrt(magnitude))
-        if self._check.group is None and self.store is not None and self.store.group is not None:
-            flag = torch.tensor([float(bad.any())])
-            bad = bad | bool(all_reduce_sum_(flag, self.store.group)[0] > 0)  # every rank decides alike
+        bad = np.zeros(self.n_groups, dtype=bool)
+        if mine:
+            magnitude = np.zeros(self.n_groups)
+            for i, m in self._magnitude.items():
+                magnitude[self.group_index[i]] += float(m) ** 2
+            bad = _differs(grams, self._check.local_grams(), tol, eps, np.sqrt(magnitude))
+        if ranks:
+            flags = all_reduce_sum_(torch.tensor([float(bad.any()), float(mine)]), self.store.group)
+            if flags[1] == 0:  # no rank had one: the check waits
+                return None
+            bad = bad | bool(flags[0] > 0)
         self._steps_since_check = 0
         if not bad.any():
             for piece in self._unverified:  # the attribution by these dimensions is confirmed

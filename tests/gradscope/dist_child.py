@@ -22,6 +22,7 @@ from tests.gradscope.dist_cases import CASES, case_name, run_case
 from tests.gradscope.test_probe import AGENTS, ROLES, make_mlp
 
 ROWS = {0: [[0, 1, 2, 3]], 1: [[4, 5], [6, 7]]}
+EMPTY_RANK_CASES = [c for c in CASES if c[0] == "lm" and c[1] == "sp" and c[2] == "hooks"]
 
 
 def global_count(n: int) -> int:
@@ -43,6 +44,11 @@ def main(out_dir: str) -> None:
         out[f"{name}/grad"] = grad.numpy()
         out[f"{name}/measurement"] = np.array(probe.measurement)
         out[f"{name}/fallbacks"] = np.array(getattr(probe._method, "fallback_calls", 0))
+    # A rank whose share of the batch is empty enters the step and calls nothing (hooks' first step holds
+    # the self-check, whose collective such a rank skipped: a gloo abort).
+    for case in EMPTY_RANK_CASES:
+        _, result, _ = run_case(case, [list(range(8))] if rank == 0 else [], global_count)
+        out[f"empty-rank/{case_name(case)}/gram"] = result["gram"]
     # An explicit process group gives the same as the default one.
     group = dist.new_group([0, 1])
     _, result, _ = run_case(CASES[0], ROWS[rank], global_count, process_group=group)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.gradscope.dist_cases import CASES, case_name, run_case
+from tests.gradscope.dist_child import EMPTY_RANK_CASES
 from tests.gradscope.test_probe import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,15 @@ def ranks(tmp_path_factory) -> list[dict[str, np.ndarray]]:
 
 def _identity(n: int) -> int:
     return n
+
+
+@pytest.mark.parametrize("case", EMPTY_RANK_CASES, ids=case_name)
+def test_a_rank_with_no_rows_takes_part_in_the_step(ranks, case):
+    """Rank 1 holds no rows and calls nothing inside the step (distributed.md allows it): on hooks' first,
+    self-checked step it skipped the check's collective, and gloo aborted the job."""
+    _, single, _ = run_case(case, ALL_ROWS, _identity)
+    for rank in ranks:
+        assert rel_err(rank[f"empty-rank/{case_name(case)}/gram"], single["gram"]) < 1e-5
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_name)
