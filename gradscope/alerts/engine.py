@@ -25,6 +25,10 @@ def min_history(rule: Rule) -> int:
     return min(rule.window, 5)
 
 
+#: Pair statistics whose order matters (``interference[A|B]``: A's update on B's loss).
+ORDERED = frozenset({"interference"})
+
+
 @dataclass(frozen=True)
 class Alert:
     """A rule that fired. ``key`` is the concrete value it fired on (``coherence[voter]``);
@@ -77,7 +81,10 @@ class AlertEngine:
         if rule.selector == "*":
             prefix = rule.statistic + "["
             return [k for k in values if k.startswith(prefix) and k.endswith("]")]
-        for sel in (rule.selector, "|".join(reversed(rule.selector.split("|")))):  # a pair in either order
+        orders = [rule.selector]
+        if rule.statistic not in ORDERED:  # a symmetric pair (a cosine) in either order
+            orders.append("|".join(reversed(rule.selector.split("|"))))
+        for sel in orders:
             if (key := f"{rule.statistic}[{sel}]") in values:
                 return [key]
         return []

@@ -179,6 +179,13 @@ def test_pair_selectors_match_either_order():
     assert [a.key for a in fired] == ["cosine[voter0|voter1]"]
 
 
+def test_interference_pairs_are_ordered_cosine_pairs_are_not():
+    """interference[A|B] (A's update on B's loss) is not interference[B|A]; a cosine pair is either order."""
+    assert not AlertEngine([parse_rule("interference[b|a] > 0")]).observe(1, {"interference[a|b]": 0.9})
+    assert AlertEngine([parse_rule("interference[a|b] > 0")]).observe(1, {"interference[a|b]": 0.9})
+    assert AlertEngine([parse_rule("update_cosine[b|a] > 0")]).observe(1, {"update_cosine[a|b]": 0.9})
+
+
 def test_a_lasting_excursion_is_not_its_own_baseline():
     """`2x max(20) for 3` on a lasting 10x jump: fires on the 3rd elevated value (with the jump in
     the baseline, max would double each step and it never would)."""
