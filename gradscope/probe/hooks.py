@@ -329,13 +329,11 @@ class HooksMethod(GramMethod):
             forward = self._forwards[-1]
         # (the output is never a leaf: its edge is its grad_fn; get_gradient_edge's checks cost ~40 µs a call)
         edge = GradientEdge(output.grad_fn, output.output_nr) if output.grad_fn is not None else get_gradient_edge(output)
-        trained = None
-        if any(i is not None and not self.params[i].requires_grad for i in (layer.weight, layer.bias)):
-            # frozen since the probe was built: autograd gives it no gradient in this call, nor may hooks
-            trained = self._trained(layer.weight, layer.bias)
-            if trained == (None, None):
-                return  # nothing of this call to attribute
-        piece = _Piece(layer, forward, args[0].detach(), edge=edge, trained=trained)
+        trained = self._trained(layer.weight, layer.bias)
+        if trained == (None, None):
+            return  # every probed parameter frozen since the probe was built: nothing of this call to attribute
+        piece = _Piece(layer, forward, args[0].detach(), edge=edge,
+                       trained=None if trained == (layer.weight, layer.bias) else trained)
         forward.pieces.append(piece)
         if fused.is_hooked(output):
             if self.store is None:
@@ -387,10 +385,9 @@ class HooksMethod(GramMethod):
         if x is None or forward.agents is None:
             self._missed = True  # reached by this backward but not one of its forwards
             return None
-        layer = piece.layer
-        if any(i is not None and not self.params[i].requires_grad for i in piece.trained or (layer.weight, layer.bias)):
-            # (also frozen after the call: AccumulateGrad then drops the gradient)
-            piece.trained = self._trained(*(piece.trained or (layer.weight, layer.bias)))
+        probed = piece.trained or (piece.layer.weight, piece.layer.bias)
+        if (trained := self._trained(*probed)) != probed:  # frozen after the call: AccumulateGrad drops its gradient
+            piece.trained = trained
         if piece.trained is None:
             return self._attribute(piece, x, grad, fused)
         with self._as_trained(piece):
