@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gradscope.analyses.cli import load  # noqa: E402
-from gradscope.analyses.report import AnalysisConfig, analyze_series  # noqa: E402
-from gradscope.alerts import DEFAULT_RULES  # noqa: E402
-from gradscope.alerts.watch import watch  # noqa: E402
+from gradscope.analyses.cli import load
+from gradscope.analyses.report import AnalysisConfig, analyze_series
+from gradscope.alerts import DEFAULT_RULES
+from gradscope.alerts.watch import watch
 
 CLIFF_RULES = ("cliff-early", "cliff")
 

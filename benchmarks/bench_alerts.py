@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gradscope.alerts import DEFAULT_RULES, Monitor, parse_rule  # noqa: E402
-from gradscope.runfile import RunWriter  # noqa: E402
-from gradscope.trainers.config import TrainConfig  # noqa: E402
-from gradscope.trainers.train import Trainer  # noqa: E402
+from gradscope.alerts import DEFAULT_RULES, Monitor, parse_rule
+from gradscope.runfile import RunWriter
+from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.train import Trainer
 
 EXTRA = ("grad_norm[*] > 3x median(50)", "agent_norm[voter0] > 10 for 3", "train/accuracy < 0.05 for 5",
          "cosine[*] > 0.99 for 5")

@@ -33,11 +33,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gradscope.analyses.cli import load
+from gradscope.analyses.report import analyze_series, to_json, to_text
+from gradscope.analyses.series import RunSeries
 
-from gradscope.analyses.cli import load  # noqa: E402
-from gradscope.analyses.report import analyze_series, to_json, to_text  # noqa: E402
-from gradscope.analyses.series import RunSeries  # noqa: E402
+# appended, not prepended: the checkout's gradscope/ must not shadow the installed package
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.analyses import synthetic as syn  # noqa: E402
 
 GOAL_S = 2.0

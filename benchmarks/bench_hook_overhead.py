@@ -12,18 +12,14 @@ Run: ``.venv/bin/python benchmarks/bench_hook_overhead.py [--steps N]``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 import warnings
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gradscope.probe import Probe  # noqa: E402
+from gradscope.probe import Probe
 
 LAYERS, B, T, D, K = 56, 32, 4, 16, 8
 

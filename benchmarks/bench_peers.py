@@ -61,13 +61,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_probe import interleaved, lora_model, make_batch, token_loss  # noqa: E402
-from torch.func import functional_call, grad, vmap  # noqa: E402
+from bench_probe import interleaved, lora_model, make_batch, token_loss
+from torch.func import functional_call, grad, vmap
 
-from gradscope.probe import Probe  # noqa: E402
+from gradscope.probe import Probe
 
 CONFIGS = {
     "lora-lm": dict(B=32, T=64, warmup=1, reps=5, processes=3),

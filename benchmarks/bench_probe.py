@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import sys
 import time
 import warnings
 from typing import Any
@@ -41,13 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from peft import LoraConfig, get_peft_model
+from torch.func import functional_call, grad, vmap
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from torch.func import functional_call, grad, vmap  # noqa: E402
-
-from gradscope.probe import Probe  # noqa: E402
-from gradscope.trainers.testbed.model import build_testbed_model  # noqa: E402
+from gradscope.probe import Probe
+from gradscope.trainers.testbed.model import build_testbed_model
 
 GOAL = 1.10
 #: name → (model sizes, LoRA rank, rows B, tokens per row T, warm-up, repetitions)

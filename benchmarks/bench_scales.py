@@ -17,19 +17,16 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import gradscope.trainers.testbed.cache as cache  # noqa: E402
-from gradscope.trainers.config import TrainConfig  # noqa: E402
-from gradscope.trainers.distributed import NullWriter  # noqa: E402
-from gradscope.trainers.testbed.model import build_testbed_model  # noqa: E402
-from gradscope.trainers.testbed.scales import SCALES  # noqa: E402
-from gradscope.trainers.train import Trainer  # noqa: E402
+import gradscope.trainers.testbed.cache as cache
+from gradscope.trainers.config import TrainConfig
+from gradscope.trainers.distributed import NullWriter
+from gradscope.trainers.testbed.model import build_testbed_model
+from gradscope.trainers.testbed.scales import SCALES
+from gradscope.trainers.train import Trainer
 
 
 @contextlib.contextmanager

@@ -29,13 +29,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_probe import CONFIGS, interleaved, lora_model, lora_named, make_batch, token_loss  # noqa: E402
+from bench_probe import CONFIGS, interleaved, lora_model, lora_named, make_batch, token_loss
 
-from gradscope.probe import Probe, Sketch  # noqa: E402
-from gradscope.probe.updates import TeeStore  # noqa: E402
+from gradscope.probe import Probe, Sketch
+from gradscope.probe.updates import TeeStore
 
 VARIANTS = ["gram", "updates", "sampled"]
 

@@ -10,16 +10,13 @@ Run: ``.venv/bin/python benchmarks/bench_writer.py``; or import and call :func:`
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gradscope.runfile import RunMeta, RunWriter  # noqa: E402
+from gradscope.runfile import RunMeta, RunWriter
 
 GOAL_MEDIAN_US = 100.0
 

@@ -28,15 +28,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_probe import CONFIGS, lora_model, make_batch, token_loss  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+from bench_probe import CONFIGS, lora_model, make_batch, token_loss
+from transformers import AutoModelForCausalLM, Qwen3Config
 
-from gradscope.probe import Probe, Sketch  # noqa: E402
-from gradscope.probe.groups import by_layer  # noqa: E402
-from gradscope.trainers.testbed.model import build_testbed_model  # noqa: E402
+from gradscope.probe import Probe, Sketch
+from gradscope.probe.groups import by_layer
+from gradscope.trainers.testbed.model import build_testbed_model
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)

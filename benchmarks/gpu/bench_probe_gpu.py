@@ -29,14 +29,13 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_probe import make_batch, token_loss  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+from bench_probe import make_batch, token_loss
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, Qwen3Config
 
-from gradscope.probe import Probe  # noqa: E402
+from gradscope.probe import Probe
 
 SHAPES = {
     "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

@@ -65,7 +65,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after the installed gradscope: the checkout's gradscope/ would shadow it
     from tests.integrations.test_verl import cpu_platform, flat_grad  # the tests' helpers
 
     if args.tiny:
