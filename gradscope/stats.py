@@ -298,7 +298,7 @@ def amplification_factor(M: ArrayLike, P: ArrayLike) -> np.ndarray:
 
 
 def coherence(M: ArrayLike, P: ArrayLike) -> np.ndarray:
-    """(..., R) ``AF_r / n_r`` in [0, 1]: 1 for identical directions, 1/sqrt(n) for orthogonal ones.
+    """(..., R) ``AF_r / n_r`` in [0, 1]: 1 for identical directions, ~1/sqrt(n) for orthogonal ones of equal norm.
 
     Same degenerate values as :func:`amplification_factor`.
     """

@@ -127,7 +127,9 @@ class RunReader:
                 self._check_datasets()
                 self._cache: dict[str, Any] = {}
                 self._counts = self._read_counts()
-                self._configured_method = self.meta.probe_method
+                #: the ``probe_method`` attribute as stored (configured at creation); ``meta.probe_method``
+                #: is narrowed to the methods that measured the committed records
+                self.configured_probe_method = self.meta.probe_method
                 self._derive_probe_method()
         except BaseException:
             self._f.close()
@@ -317,7 +319,7 @@ class RunReader:
     def _derive_probe_method(self) -> None:
         """``meta.probe_method`` names only the methods that measured the committed records."""
         if self.has("method"):
-            self.meta.probe_method = schema.methods_that_ran(self._configured_method, self.read("method"))
+            self.meta.probe_method = schema.methods_that_ran(self.configured_probe_method, self.read("method"))
 
     # --- counts and metadata -------------------------------------------------------------------
 

@@ -519,7 +519,10 @@ class RunWriter:
                     raise RunFileError(f"{path}: schema version {old.schema_version} is newer than this "
                                        f"gradscope writes ({schema.SCHEMA_VERSION}); resume it with a "
                                        f"newer gradscope")
-                meta = old.meta if config is None else dataclasses.replace(old.meta, config=dict(config))
+                # the stored attribute, not the reader's narrowing of it to the committed records' methods
+                meta = dataclasses.replace(old.meta, probe_method=old.configured_probe_method)
+                if config is not None:
+                    meta = dataclasses.replace(meta, config=dict(config))
                 if flush_every is None:
                     flush_every = meta.flush_every if meta.flush_every >= 1 else 10
                 w = cls(tmp, meta, flush_every)

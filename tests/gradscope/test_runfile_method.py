@@ -60,6 +60,20 @@ def test_a_1_0_file_reads_and_resumes(tmp_path):
         assert run.meta.probe_method == "split"
 
 
+def test_resume_keeps_the_configured_attribute(tmp_path):
+    """Resume copies the stored ``probe_method`` attribute, not the reader's narrowing of it: records a
+    resume drops can no longer name their method in it (they did: ``hooks,split`` after dropping split)."""
+    path = tmp_path / "run.h5"
+    write(path, ["hooks", "split-fallback:mixed-rows"], probe_method="hooks")
+    for keep, narrowed in ((1, "hooks"), (0, "hooks")):
+        with RunWriter.resume(path, keep_below_step=keep):
+            pass
+        with h5py.File(path, "r") as f:
+            assert f.attrs["probe_method"] == "hooks"
+        with open_run(path) as run:
+            assert run.meta.probe_method == narrowed and run.configured_probe_method == "hooks"
+
+
 def test_codes_are_only_appended():
     """Stored codes are indices: the first eight must never move."""
     assert PROBE_METHODS[:3] == ("hooks", "hooks+check", "split")
