@@ -55,14 +55,19 @@ UPDATE_UNITS = ("off", "role", "agent")
 SOLVER_ROLES = ("voter", "generator", "worker")
 
 
-def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
-    """Every check that can fail on user input, before any model is built (errors exit 2).
-    Returns the workflow class, the tasks and the alert rules."""
-    for settings, ranges in ((cfg, RANGES), (cfg.grpo, GRPO_RANGES)):  # numbers first: finite, in range
+def check_ranges(cfg: TrainConfig) -> None:
+    """The numeric settings' checks (finite, in range; per-role ones are checked by :func:`validate`)."""
+    for settings, ranges in ((cfg, RANGES), (cfg.grpo, GRPO_RANGES)):
         for name, allowed in ranges.items():
             if settings is cfg.grpo and name in PER_ROLE:
                 continue  # checked role by role once the workflow's roles are known
             allowed.check(f"--{name.replace('_', '-')}", getattr(settings, name))
+
+
+def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
+    """Every check that can fail on user input, before any model is built (errors exit 2).
+    Returns the workflow class, the tasks and the alert rules."""
+    check_ranges(cfg)  # numbers first
     if cfg.workflow not in WORKFLOWS:
         raise ConfigError(f"unknown workflow {cfg.workflow!r}; use one of {sorted(WORKFLOWS)}")
     workflow = WORKFLOWS[cfg.workflow]

@@ -69,6 +69,10 @@ def write(tmp_path: Path, text: str, name: str = "sweep.yaml") -> Path:
     ("train:\n  steps: 0\n", ":2:10:", "--steps must be a whole number >= 1, got 0"),
     ("train:\n  steps: 0\ngrid:\n  seed: [0, 1]\n", ":2:10:", "--steps must be a whole number >= 1"),
     ("train:\n  steps: 5\ngrid:\n  seed: [0, 1]\n  lr: [0.001, -1]\n", ":5:15:", "--lr must be a finite number"),
+    # a bad seed or step count after a good one (those cells share every other check)
+    ("grid:\n  workflow: [voting]\n  steps: [3, 0]\n", ":3:14:", "--steps must be a whole number >= 1, got 0"),
+    ("grid:\n  seed: [0, -1]\n", ":2:13:", "--seed"),
+    ("grid:\n  workflow: [voting]\ngrid:\n  seed: [0, 1]\n", ":3:1:", "'grid' given twice"),
     # a fixed setting's value the error quotes without naming its flag: located there, grid or none
     ("train:\n  steps: 1\n  workflow: bogus\ngrid:\n  seed: [0]\n", ":3:13:", "unknown workflow 'bogus'"),
     ("train:\n  steps: 1\n  workflow: bogus\n", ":3:13:", "unknown workflow 'bogus'"),

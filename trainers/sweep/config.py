@@ -114,6 +114,7 @@ def load_spec(path: str | Path) -> SweepSpec:
         if key == "train":
             sections[key] = _settings(path, value_node, fields)
             continue
+        sections[key] = ()  # the grid's settings are its axes; recorded so that a second `grid:` is refused
         seen: list[str] = []
         for flag_node, v_node in value_node.value:
             if flag_node.value == VARIANT and key == "grid":

@@ -140,19 +140,20 @@ def _validate_cells(cells: list[Cell], parser: argparse.ArgumentParser, path: Pa
     """The trainer's checks (workflow, policy map, alert rules, task files, ...) on every cell; an error is
     located at the setting it names or quotes (an axis value or a ``fixed`` one), else at the cell's first axis
     value."""
-    from gradscope.trainers.train import validate
+    from gradscope.trainers.train import check_ranges, validate
 
-    seen: dict[str, str] = {}
+    seen: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         for cell in cells:
             cfg = cell_config(cell, parser, Path(tmp) / "run.h5")
             key = repr(dataclasses.replace(cfg, seed=0, steps=0))  # tasks and rules do not depend on these
-            if key in seen:
-                continue
             try:
-                validate(cfg)
+                if key in seen:  # the rest was checked on a cell that differs only in seed and steps
+                    check_ranges(cfg)
+                else:
+                    validate(cfg)
             except GradscopeError as exc:
                 axes = ", ".join(f"{k}={v}" for k, v in cell.axes.items())
                 where = cell.where(str(exc), fixed) or str(path)
                 raise SweepError(f"{where}: cell {axes or cell.name}: {exc}") from None
-            seen[key] = cell.name
+            seen.add(key)
