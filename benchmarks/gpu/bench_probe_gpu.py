@@ -12,7 +12,8 @@ hidden 1024, 16 query / 8 key-value heads of 128, intermediate 3072, vocabulary 
 (alpha 128) on every linear layer; batch B rows × T tokens (default 16 × 512), the first third of each
 row prompt (no agent), every row one agent's.
 
-Run: ``python benchmarks/gpu/bench_probe_gpu.py`` on a CUDA machine. ``--tiny`` runs a 2-layer, hidden-64
+Run: ``python benchmarks/gpu/bench_probe_gpu.py`` on a CUDA machine, with gradscope installed (measured on an
+H200: docs/probe.md, "On a GPU"). ``--tiny`` runs a 2-layer, hidden-64
 model on whatever device there is (CPU here), to check that the script works end to end.
 """
 from __future__ import annotations
@@ -52,7 +53,7 @@ def build(shape: str, dtype: torch.dtype, device: torch.device):
     rank = sizes.pop("rank")
     config = Qwen3Config(**sizes, max_position_embeddings=4096, tie_word_embeddings=True)
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).to(device)
+    base = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
                       init_lora_weights=False)
     with warnings.catch_warnings():

@@ -88,6 +88,17 @@ def test_bad_sweep_files_exit_2_with_their_location(tmp_path, capsys, text, wher
     assert not out.exists()  # nothing was started or written
 
 
+SWEEPS = sorted((Path(__file__).resolve().parents[2] / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", SWEEPS, ids=[p.name for p in SWEEPS])
+def test_committed_sweep_configs_pass_every_check(config):
+    """Every config under sweeps/ passes the checks a sweep runs before its first run (gpu.yaml, never run
+    until then, held out 256 code tasks of a level that has 179)."""
+    cells = expand(load_spec(config))
+    assert cells and len({c.name for c in cells}) == len(cells)
+
+
 def test_bad_sweep_is_one_line_exit_2_as_a_command(tmp_path):
     path = write(tmp_path, "grid:\n  lr: [0.001, fast]\n")
     proc = subprocess.run(GRADSCOPE + ["sweep", str(path)], capture_output=True, text=True, timeout=300)
