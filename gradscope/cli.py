@@ -147,10 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: train Voting/math with IP and SP on the testbed")
     p.add_argument("--out", default="out/demo", help="folder for the demo's run files")
-    p.add_argument("--steps", type=COUNT.arg, default=100, help="training steps per run")
+    p.add_argument("--steps", type=COUNT.arg, default=50, help="training steps of the IP and SP runs (the hot run: 30)")
     p.add_argument("--threads", type=WHOLE.arg, default=0,
                    help="torch intra-op threads per run (0: one, the fastest for the testbed on a shared machine)")
-    p.add_argument("--jobs", type=COUNT.arg, default=2, help="runs at a time, each its own process")
+    p.add_argument("--jobs", type=COUNT.arg, default=3, help="runs at a time, each its own process")
     p.set_defaults(func=_cmd_demo)
 
     from gradscope.analyses.thresholds import add_threshold_arguments  # dataclasses only
