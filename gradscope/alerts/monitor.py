@@ -165,7 +165,7 @@ def check_selectors(rules: Sequence[Rule], agents: Sequence[str], agent_roles: S
             continue
         if kind in known:
             choices = known[kind]
-        elif "/" in rule.statistic and policies is not None:
+        elif ("/" in rule.statistic or rule.statistic.startswith("eval.")) and policies is not None:
             kind, choices = "role, agent or policy", names
         else:
             continue

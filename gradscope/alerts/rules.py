@@ -113,7 +113,7 @@ class _Tokens:
         self.i = 0
 
     def fail_at(self, pos: int, got: str, expected: str) -> None:
-        raise ConfigError(f"bad alert rule {_clip(repr(self.text))}: at column {pos + 1}, {_clip(got)}: "
+        raise ConfigError(f"bad alert rule {_clip(self.text, quote=True)}: at column {pos + 1}, {got}: "
                           f"expected {expected}")
 
     def peek(self) -> tuple[str, str, int] | None:
@@ -121,7 +121,7 @@ class _Tokens:
 
     def fail(self, expected: str) -> None:
         tok = self.peek()
-        self.fail_at(tok[2] if tok else len(self.text), repr(tok[1]) if tok else "end of rule", expected)
+        self.fail_at(tok[2] if tok else len(self.text), _clip(tok[1], quote=True) if tok else "end of rule", expected)
 
     def take(self, kind: str, value: str | None = None, expected: str = "") -> str:
         tok = self.peek()
@@ -138,16 +138,20 @@ class _Tokens:
         return None
 
 
-def _clip(text: str) -> str:
-    """``text`` cut to a readable length (a rule may be any string a user typed)."""
-    return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS] + f"... ({len(text):,} characters)"
+def _clip(text: str, quote: bool = False) -> str:
+    """``text`` (``repr``-quoted if ``quote``) cut to a readable length (a rule may be any string a user
+    typed); the count is of ``text``'s own characters."""
+    if len(text) <= _QUOTE_CHARS:
+        return repr(text) if quote else text
+    head = repr(text[:_QUOTE_CHARS - 1])[:-1] if quote else text[:_QUOTE_CHARS]  # the opening quote counts
+    return head + f"... ({len(text):,} characters)"
 
 
 def parse_rule(text: str, *, name: str = "") -> Rule:
     """Parse one rule; :class:`ConfigError` with the offending token's column on a bad one."""
     toks = _Tokens(text)
     if not toks.items:
-        raise ConfigError(f"bad alert rule {_clip(repr(text))}: empty")
+        raise ConfigError(f"bad alert rule {_clip(text, quote=True)}: empty")
     pos = toks.peek()[2]
     statistic = toks.take("name", expected="a statistic name, e.g. coherence[voter]")
     _check_statistic(toks, statistic, pos)
@@ -177,7 +181,7 @@ def _check_statistic(toks: _Tokens, name: str, pos: int) -> None:
     if name in STATISTICS or "/" in name or any(name.startswith(ns) and len(name) > len(ns) for ns in NAMESPACES):
         return
     close = difflib.get_close_matches(name, STATISTICS, n=1)
-    toks.fail_at(pos, f"unknown statistic {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""),
+    toks.fail_at(pos, f"unknown statistic {_clip(name, quote=True)}" + (f" (did you mean {close[0]!r}?)" if close else ""),
                  "one of " + ", ".join(STATISTICS) + ", a metric name with '/', or opt./eval./metric.NAME")
 
 
@@ -185,10 +189,11 @@ def _check_selector(toks: _Tokens, statistic: str, selector: str | None, pos: in
     kind = STATISTICS.get(statistic)
     if kind and selector is None:
         toks.fail_at(pos, f"{statistic!r} needs a {kind}", f"{statistic}[<{kind}>] or {statistic}[*]")
+    name = _clip(statistic)  # opt./metric. names may be any length
     if statistic.startswith("opt.") and selector is None:
-        toks.fail_at(pos, f"{statistic!r} needs a policy", f"{statistic}[<policy>] or {statistic}[*]")
-    if kind == "" and selector is not None:
-        toks.fail_at(pos, f"{statistic!r} takes no selector", f"{statistic} alone")
+        toks.fail_at(pos, f"{_clip(statistic, quote=True)} needs a policy", f"{name}[<policy>] or {name}[*]")
+    if (kind == "" or statistic.startswith("metric.")) and selector is not None:
+        toks.fail_at(pos, f"{_clip(statistic, quote=True)} takes no selector", f"{name} alone")
     if kind and selector not in (None, "*") and kind.endswith("pair") != ("|" in selector):
         toks.fail_at(pos, f"{statistic}[{selector}]", f"{statistic}[A|B] or {statistic}[*]" if kind.endswith("pair")
                      else f"one {kind} in {statistic}[...]")

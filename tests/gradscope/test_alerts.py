@@ -70,6 +70,7 @@ def test_rules_parse(text, fields):
     ("coherence[voter|aggregator] > 0", 1, "coherence[voter|aggregator]: expected one role"),
     ("cosine[voter0|] > 0", 15, "']'"),
     ("opt.loss > 1", 1, "'opt.loss' needs a policy"),
+    ("metric.foo[voter] > 0", 1, "'metric.foo' takes no selector"),
     ("   ", 4, "empty"),
 ])
 def test_bad_rules_point_at_the_token(text, column, token):
@@ -81,6 +82,16 @@ def test_bad_rules_point_at_the_token(text, column, token):
         assert message == f"bad alert rule {text!r}: empty"
     else:
         assert f"at column {column}, {token}" in message, message
+
+
+def test_a_long_rule_is_quoted_cut_short_with_its_own_length():
+    """The counts are of the rule's and the token's own characters (not of their quoted forms)."""
+    for text, token in (("x" * 4996 + " > 1", "x" * 4996), ("coherence[voter] > 1 " + "y" * 4979, "y" * 4979)):
+        with pytest.raises(ConfigError) as err:
+            parse_rule(text)
+        message = str(err.value)
+        assert message.startswith("bad alert rule '" + text[:119] + "... (5,000 characters): at column "), message[:200]
+        assert "'" + token[:119] + f"... ({len(token):,} characters)" in message and len(message) < 800, message
 
 
 def test_rules_from_yaml(tmp_path):
@@ -315,7 +326,9 @@ def test_monitor_rejects_unknown_selectors():
                            ("update_norm[shared] > 1", "unknown policy 'shared'"),
                            ("opt.loss[x] > 1", "unknown policy 'x'"),
                            ("cosine[voter0|voter9] > 1", "'voter9' is not a pair"),
-                           ("role_cosine[voter|voter] > 1", "'voter|voter' is not a pair")]:
+                           ("role_cosine[voter|voter] > 1", "'voter|voter' is not a pair"),
+                           ("eval.length[nobody] > 1", "unknown role, agent or policy 'nobody'"),
+                           ("eval.accuracy[voter|aggregator] > 0", "unknown role, agent or policy 'voter|aggregator'")]:
         with pytest.raises(ConfigError, match=expected):
             Monitor([parse_rule(text)], AGENTS, ROLES, policies=["voter", "aggregator"])
 
