@@ -55,10 +55,15 @@ def find_cliffs(accuracy: pd.Series, cfg: CliffConfig = CliffConfig()) -> tuple[
             continue
         near = [j for j in range(peak_i, i) if s[j] >= peak - (peak - s[i]) / 4]
         onset = (near[-1] if near else peak_i) + 1
-        trough = i + int(np.argmin(s[i:]))
-        back = s[trough:] >= peak - (peak - s[trough]) / 2
-        if back.any():  # a dip that recovered: scan on from the recovery with a fresh peak
-            i = peak_i = trough + int(np.argmax(back))
+        trough, recovered = i, None
+        for j in range(i, len(s)):  # the drop's trough so far; it recovers half-way back to its peak, or never
+            if s[j] < s[trough]:
+                trough = j
+            if s[j] >= peak - (peak - s[trough]) / 2:
+                recovered = j
+                break
+        if recovered is not None:  # a dip: scan on from the recovery with a fresh peak
+            i = peak_i = recovered
             continue
         event = Cliff(int(steps[peak_i]), float(peak), int(steps[onset]), int(steps[trough]), float(s[trough]),
                       float(raw[-1]))

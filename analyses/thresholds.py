@@ -68,7 +68,7 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fraction", type=Range(0, 1, lo_open=True).arg, default=a.fraction,
                    help="share of a window above threshold")
     p.add_argument("--gap", type=WHOLE.arg, default=a.gap,
-                   help="amplification and capture: episodes of one role closer than this many steps merge")
+                   help="amplification and capture: episodes of one role at most this many step numbers apart merge")
     p.add_argument("--min-drop", type=NONNEG.arg, default=k.min_drop, help="cliff: absolute accuracy drop")
     p.add_argument("--min-rel-drop", type=UNIT.arg, default=k.min_rel_drop, help="cliff: relative drop")
     p.add_argument("--within", type=COUNT.arg, default=k.within, help="cliff: evaluations from onset to threshold")

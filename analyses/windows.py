@@ -37,7 +37,9 @@ def rolling_fit(y: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     st, sy = rolling_sum(ok * t, window), rolling_sum(yy, window)
     stt, sty, syy = rolling_sum(ok * t * t, window), rolling_sum(yy * t, window), rolling_sum(yy * yy, window)
     den = n * stt - st * st                      # n² Var(t)
-    slope = np.divide(n * sty - st * sy, den, out=np.zeros_like(den), where=den > 1e-12)
+    num = n * sty - st * sy                      # n² Cov(t, y), from running sums: rounding ~1e-16 of its terms
+    num = np.where(np.abs(num) <= 1e-9 * (np.abs(n * sty) + np.abs(st * sy)), 0.0, num)  # a flat y is flat
+    slope = np.divide(num, den, out=np.zeros_like(den), where=den > 1e-12)
     with np.errstate(divide="ignore", invalid="ignore"):
         sxx = den / n                            # Σ(t − t̄)²
         ssr = np.maximum(syy - sy * sy / n - slope * slope * sxx, 0.0)

@@ -61,8 +61,10 @@ def shared_set_stats(gram: np.ndarray, tokens: np.ndarray, agent_roles: list[str
     M = gram[:, keep][:, :, keep]
     P, _ = stats.role_indicator([r for r, k in zip(agent_roles, keep) if k], list(set_roles))
     tok = tokens[:, keep]
+    # a record whose Gram is not finite is left out of every statistic, its token share too
+    token_share = np.where(np.isfinite(M).all(axis=(1, 2))[:, None], stats.token_shares(tok, P), np.nan)
     return {"share": stats.contribution_shares(M, P),
-            "token_share": stats.token_shares(tok, P),
+            "token_share": token_share,
             "per_token_share": stats.per_token_shares(M, tok, P)}
 
 

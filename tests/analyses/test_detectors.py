@@ -24,6 +24,7 @@ from gradscope.analyses.findings import Finding, Report
 from gradscope.analyses.report import to_json, to_markdown, to_text
 from gradscope.analyses.series import RunSeries
 from gradscope.analyses.windows import episodes, merge_close, rolling_fit, rolling_slope, rolling_sum, sustained
+from gradscope.steps import shared_set_stats
 from tests.analyses import synthetic as syn
 
 DETECTORS = {"amplification": detect_amplification, "capture": detect_capture, "cliff": detect_cliff}
@@ -473,3 +474,34 @@ def test_text_reports_show_at_most_n_findings_per_kind_and_json_all() -> None:
     data = json.loads(to_json(report))
     assert len(data["findings"]) == 13 and data["findings"][0]["evidence"] == {"x": None, "y": None}
     assert data["summary"] == {"steps": 130, "records": 130}
+
+
+def test_a_recovered_dip_is_not_the_onset_of_a_later_cliff() -> None:
+    """A dip that recovers half-way is passed over even when a deeper fall comes later (the dip's trough
+    was the minimum of the whole rest, the later fall's, so the dip 'never recovered': onset 40)."""
+    acc = [0.6] * 5 + [0.45] * 2 + [0.6] * 6 + [0.2] * 5              # evaluations every 10 steps
+    cliffs, declines = find_cliffs(pd.Series(acc, index=np.arange(len(acc)) * 10))
+    assert not declines and len(cliffs) == 1
+    assert (cliffs[0].peak_step, cliffs[0].onset_step, cliffs[0].trough) == (70, 130, 0.2), cliffs[0]
+
+
+def test_a_flat_norm_is_not_rising() -> None:
+    """A constant series has slope 0 (running sums left a ±1e-16 slope with a standard error of 0, which
+    counted as a rise: coherent voters at a constant norm gave a critical amplification finding)."""
+    for c in (0.2, 0.3, 5.0):
+        slope, _ = rolling_fit(np.log(np.full(60, c)), 10)
+        assert not slope.any()
+    series = syn.make_series(syn.VOTING, 60, policy="ip", norm={"voter": 0.2, "aggregator": 10.0},
+                             rho={"voter": np.r_[np.zeros(20), np.full(40, syn.rho_for(0.95, 3))]}, seed=1)
+    assert detect_amplification(series) == []
+
+
+def test_records_with_a_non_finite_gram_leave_the_token_share() -> None:
+    """Such records are left out of every statistic: their token share is NaN (it was their tokens')."""
+    series = syn.make_series(syn.VOTING, 40, policy="sp", seed=2)
+    gram, tokens = series.gram.copy(), series.tokens.copy()
+    bad = np.arange(len(gram)) % 5 == 0
+    gram[bad, 3, 3] = np.nan
+    tokens[bad, 3] *= 50
+    shares = shared_set_stats(gram, tokens, list(series.agent_roles), ["voter", "aggregator"])
+    assert np.isnan(shares["token_share"][bad]).all() and np.isfinite(shares["token_share"][~bad]).all()
