@@ -50,7 +50,8 @@ class TrainConfig:
                                      "needs --probe-every 1 (off: no update attribution; docs/probe.md)")
     out: str = flag("run.h5", "run file to write")
     overwrite: bool = flag(False, "replace an existing run file")
-    log_to: str = flag("", "also log to dashboards: tensorboard,wandb,mlflow (comma-separated; docs/integrations.md)")
+    log_to: str = flag("", "also log to dashboards: tensorboard,wandb,mlflow (comma-separated; docs/integrations.md; "
+                           "default: none, the run file only)")
     log_dir: str | None = flag(None, "folder for --log-to, one subfolder per dashboard (default: <out>.logs)")
     resume: bool = flag(False, "continue the run file --out from its last checkpoint")
     checkpoint_every: int = flag(50, "save adapters + optimizer state every N steps (0: only at the end)")
@@ -59,8 +60,9 @@ class TrainConfig:
     lora_alpha: float = flag(0.0, "LoRA alpha (0: 32 for real models, 16 for the testbed)")
     max_new_tokens: int = flag(0, "generation limit per turn (0: 24 testbed, 1024 real models)")
     max_evals: int = flag(0, "Eval-Opt evaluation limit (0: 3 for math, 2 for code)")
-    alert: list = flag([], "alert rule 'RULE[: warn,record,checkpoint,stop]', repeatable (docs/alerts.md)")
-    alerts: str | None = flag(None, "YAML file of alert rules")
+    alert: list = flag([], "alert rule 'RULE[: warn,record,checkpoint,stop]', repeatable (docs/alerts.md); "
+                           "default: none beyond the built-in rules")
+    alerts: str | None = flag(None, "YAML file of alert rules (default: none beyond the built-in rules)")
     default_alerts: bool = flag(True, "the built-in alert rules (warn + record); --no-default-alerts: off")
     dist_timeout: float = flag(300.0, "under torchrun: seconds a collective may wait for a silent rank")
     threads: int = flag(0, "torch intra-op threads per process (0: 1 for the testbed on CPU, torch's default "

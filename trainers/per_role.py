@@ -46,7 +46,13 @@ def role_spec(text: str) -> float | str:
         parsed = _parse(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return parsed if isinstance(parsed, float) else ",".join(f"{r}={v:g}" for r, v in parsed.items())
+    return parsed if isinstance(parsed, float) else ",".join(f"{r}={_exact(v)}" for r, v in parsed.items())
+
+
+def _exact(v: float) -> str:
+    """``v`` written short (``0.05``, ``0``) where that is exact, else in full (``0.123456789``)."""
+    short = f"{v:g}"
+    return short if float(short) == v else repr(v)
 
 
 def role_values(spec: float | str, roles: Sequence[str], flag: str) -> dict[str, float]:

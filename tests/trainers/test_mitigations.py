@@ -57,6 +57,9 @@ def test_per_role_values():
     assert role_values(0.05, roles, "kl-coef") == {"voter": 0.05, "aggregator": 0.05}
     assert role_values("voter=0.05", roles, "kl-coef") == {"voter": 0.05, "aggregator": 0.0}
     assert role_spec("0.1") == 0.1 and role_spec(" voter = 0.05 ,aggregator=0") == "voter=0.05,aggregator=0"
+    # kept exactly (it was rounded to 6 significant digits, and the rounded value trained)
+    assert role_spec("voter=0.123456789,aggregator=1e-9") == "voter=0.123456789,aggregator=1e-09"
+    assert role_values(role_spec("voter=0.123456789"), ["voter", "aggregator"], "kl-coef")["voter"] == 0.123456789
     with pytest.raises(ConfigError, match=r"unknown role\(s\) \['critic'\]"):
         role_values("critic=1", roles, "kl-coef")
     with pytest.raises(ConfigError, match=r"^--kl-coef voter must be a finite number >= 0, got -1.0$"):
