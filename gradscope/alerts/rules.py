@@ -195,7 +195,7 @@ def _check_selector(toks: _Tokens, statistic: str, selector: str | None, pos: in
     if (kind == "" or statistic.startswith("metric.")) and selector is not None:
         toks.fail_at(pos, f"{_clip(statistic, quote=True)} takes no selector", f"{name} alone")
     if kind and selector not in (None, "*") and kind.endswith("pair") != ("|" in selector):
-        toks.fail_at(pos, f"{statistic}[{selector}]", f"{statistic}[A|B] or {statistic}[*]" if kind.endswith("pair")
+        toks.fail_at(pos, _clip(f"{statistic}[{selector}]"), f"{statistic}[A|B] or {statistic}[*]" if kind.endswith("pair")
                      else f"one {kind} in {statistic}[...]")
 
 

@@ -65,13 +65,13 @@ def test_resume_keeps_the_configured_attribute(tmp_path):
     resume drops can no longer name their method in it (they did: ``hooks,split`` after dropping split)."""
     path = tmp_path / "run.h5"
     write(path, ["hooks", "split-fallback:mixed-rows"], probe_method="hooks")
-    for keep, narrowed in ((1, "hooks"), (0, "hooks")):
+    for keep in (1, 0):
         with RunWriter.resume(path, keep_below_step=keep):
             pass
         with h5py.File(path, "r") as f:
             assert f.attrs["probe_method"] == "hooks"
         with open_run(path) as run:
-            assert run.meta.probe_method == narrowed and run.configured_probe_method == "hooks"
+            assert run.meta.probe_method == "hooks" and run.configured_probe_method == "hooks"
 
 
 def test_codes_are_only_appended():
