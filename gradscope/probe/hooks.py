@@ -93,7 +93,7 @@ from gradscope.probe.distributed import all_reduce_sum_
 from gradscope.probe.fused import as_dtype
 from gradscope.probe.method import GramMethod, Terms
 from gradscope.probe.split import backward_per_agent
-from gradscope.probe.store import FlatStore, Store, squared_norms
+from gradscope.probe.store import FlatStore, Store, each_squared_norm, squared_norms
 
 #: A full weight uses the ghost form while N·(d_in + d_out) < GHOST_FACTOR · d_in·d_out.
 GHOST_FACTOR = 1.0
@@ -273,7 +273,8 @@ class HooksMethod(GramMethod):
         self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
         self._scratches: dict[tuple, torch.Tensor] = {}  # per-row product buffers by shape (_scratch)
         self._grad0: list[torch.Tensor | None] = []
-        self._magnitude: dict[int, torch.Tensor] = {}  # param index → magnitude S (float64 scalar)
+        self._magnitude: list[tuple[int, torch.Tensor]] = []  # (param index, a part of its magnitude S)
+        self._resolved: dict[int, float] | None = None  # the same as floats, once read (_magnitudes)
         self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
         self._unowned_grad: str | None = None  # a layer whose rows of no agent received gradient
         self.failed_check = False  # under auto, after a failed self-check: split from then on
@@ -465,11 +466,30 @@ class HooksMethod(GramMethod):
             self._norms[key] = (x, _norm(x))
         return self._norms[key][1]
 
+    def _magnitudes(self) -> dict[int, float]:
+        """The step's magnitudes ``S`` by parameter index, as floats, summed once per step with one transfer to
+        the host per device and dtype (not one per parameter or call: each would be a device sync on a GPU)."""
+        if self._resolved is None:
+            by: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+            for i, value in self._magnitude:
+                by.setdefault((value.device, value.dtype), []).append((i, value.reshape(-1)))
+            self._resolved = {}
+            for (device, _), parts in by.items():
+                values = torch.cat([v for _, v in parts]).double()
+                index = torch.tensor([i for i, _ in parts], device=device).repeat_interleave(
+                    torch.tensor([len(v) for _, v in parts], device=device), output_size=len(values))
+                sums = values.new_zeros(len(self.params)).index_add_(0, index, values).tolist()
+                for i in {i for i, _ in parts}:
+                    self._resolved[i] = self._resolved.get(i, 0.0) + sums[i]
+        return self._resolved
+
     def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
-        """Add to the magnitude ``S`` of ``params[i]``: ``‖G‖_F ‖A‖_F`` per call (≥ ``Σ_tokens ‖G_t‖‖A_t‖`` by
-        Cauchy–Schwarz; for a bias or an embedding ``A_t`` is one), which bounds the norm of the rank-one terms
-        that autograd (and this method) sum into the gradient, and so scales their rounding error."""
-        self._magnitude[i] = value if i not in self._magnitude else self._magnitude[i] + value
+        """Add ``value`` (any shape: its entries are summed) to the magnitude ``S`` of ``params[i]``: ``‖G‖_F ‖A‖_F``
+        per call (≥ ``Σ_tokens ‖G_t‖‖A_t‖`` by Cauchy–Schwarz; for a bias or an embedding ``A_t`` is one), or the
+        norms of the products a call formed, which bounds the norm of the rank-one terms that autograd (and this
+        method) sum into the gradient, and so scales their rounding error. Summed at ``end`` (:meth:`_magnitudes`):
+        no operation per call beyond the norms."""
+        self._magnitude.append((i, value))
 
     # ------------------------------------------------------------------ per-agent contributions
     def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
@@ -479,13 +499,13 @@ class HooksMethod(GramMethod):
 
         Returns ``(dW, db, sizes)``: the call's weight gradient ``Σ_b G_bᵀ A_b`` (d_out, d_in) and bias
         gradient (d_out,) where the products formed for the agents (per row, or per agent over its
-        rows) add up to it, else None; and ``Σ ‖P‖_F`` over those products ``P`` (the scale of the
-        rounding between their sum and the per-agent sums)."""
+        rows) add up to it, else None; and the norms ``‖P‖_F`` of those products ``P`` (any shape: their sum
+        is the scale of the rounding between the products' sum and the per-agent sums)."""
         db = db_size = dW = dW_size = None
         if layer.bias is not None:
             per_row = G.sum(1)                                        # (rows, d_out)
             self._add_by_row(layer.bias, per_row, fwd)
-            db, db_size = per_row.sum(0), torch.linalg.vector_norm(per_row, dim=1).sum()
+            db, db_size = per_row.sum(0), torch.linalg.vector_norm(per_row, dim=1)
         if layer.weight is None:
             return None, db, (None, db_size)
         d_out, d_in = self.params[layer.weight].shape
@@ -506,7 +526,7 @@ class HooksMethod(GramMethod):
         elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
             P = torch.bmm(G.transpose(1, 2), A, out=self._scratch(fwd.rows, d_out, d_in, A))  # (rows, d_out, d_in)
             self._add_by_row(layer.weight, P, fwd)
-            dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1).sum()
+            dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1)
         else:
             D = self._dense_of(layer.weight)
             if fwd.unowned is not None:  # rows of no agent: autograd's Gᵀ A holds them
@@ -519,7 +539,7 @@ class HooksMethod(GramMethod):
                 D[k] += P
                 dW = P if dW is None else dW.add_(P)
                 sizes.append(torch.linalg.vector_norm(P))
-            dW_size = torch.stack(sizes).sum()
+            dW_size = torch.stack(sizes)
         return dW, db, (dW_size, db_size)
 
     def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
@@ -890,8 +910,8 @@ class HooksMethod(GramMethod):
         bad = np.zeros(self.n_groups, dtype=bool)
         if mine:
             magnitude = np.zeros(self.n_groups)
-            for i, m in self._magnitude.items():
-                magnitude[self.group_index[i]] += float(m) ** 2
+            for i, m in self._magnitudes().items():
+                magnitude[self.group_index[i]] += m ** 2
             bad = _differs(grams, self._check.local_grams(), tol, eps, np.sqrt(magnitude))
         if ranks:
             flags = all_reduce_sum_(torch.tensor([float(bad.any()), float(mine)]), self.store.group)
@@ -906,7 +926,7 @@ class HooksMethod(GramMethod):
         where = f"parameter group(s) {np.flatnonzero(bad).tolist()}"
         layer = next((lay for lay in self.layers for i in (lay.weight, lay.bias) if i in per_param
                       and _differs(per_param[i][None], self._check.param_gram(i)[None], tol, eps,
-                                   np.sqrt([float(self._magnitude.get(i, 0.0)) ** 2])).any()), None)
+                                   np.array([self._magnitudes().get(i, 0.0)])).any()), None)
         if layer is not None:
             where = f"layer {layer.name!r}"
         hint = ("the forwards' row tags (s.rows) do not match the rows of the loss, a layer's input is not "
@@ -990,7 +1010,7 @@ class HooksMethod(GramMethod):
         self._handles, self._installed = [], []
 
     def _reset(self) -> None:
-        self._dense, self._grad0, self._magnitude = {}, [], {}
+        self._dense, self._grad0, self._magnitude, self._resolved = {}, [], [], None
         self._in_call, self._aux, self._outside = False, False, False
         self._unowned_grad = None
         self._check, self._checkable, self._unverified, self._checked_calls = None, True, [], 0
@@ -1019,18 +1039,16 @@ class HooksMethod(GramMethod):
         if not (np.isfinite(total).all() and np.isfinite(diag).all()):
             return []
         magnitude_sq, ghost_sq, before_sq = np.zeros(self.n_groups), np.zeros(self.n_groups), np.zeros(self.n_groups)
-        dtypes = set()
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            g = self.group_index[i]
-            dtypes.add(p.grad.dtype)
-            if i in self._magnitude:
-                m_sq = float(self._magnitude[i]) ** 2
-                magnitude_sq[g] += m_sq
-                ghost_sq[g] += m_sq if i in ghost else 0.0
-            if self._grad0[i] is not None:
-                before_sq[g] += float(self._grad0[i].double().square().sum())
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        dtypes = {self.params[i].grad.dtype for i in with_grad}
+        magnitudes = self._magnitudes()
+        for i, before in each_squared_norm((i, self._grad0[i]) for i in with_grad if self._grad0[i] is not None).items():
+            before_sq[self.group_index[i]] += before
+        for i in with_grad:
+            if i in magnitudes:
+                m_sq = magnitudes[i] ** 2
+                magnitude_sq[self.group_index[i]] += m_sq
+                ghost_sq[self.group_index[i]] += m_sq if i in ghost else 0.0
         if not dtypes:
             return []
         tol, eps = add_up_tolerance(_least_precise(dtypes | self._compute_dtypes))

@@ -31,8 +31,21 @@ def accumulation_dtype(params: Sequence[nn.Parameter]) -> torch.dtype:
 def squared_norms(grads: Iterable[tuple[int, torch.Tensor]], group_index: Sequence[int], n_groups: int) -> np.ndarray:
     """(G,) ``Σ ‖grad‖²`` per group of ``(parameter index, gradient)`` pairs, in float64."""
     out = np.zeros(n_groups)
-    for i, grad in grads:
-        out[group_index[i]] += float(grad.double().square().sum())
+    for i, sq in each_squared_norm(grads).items():
+        out[group_index[i]] += sq
+    return out
+
+
+def each_squared_norm(tensors: Iterable[tuple[int, torch.Tensor]]) -> dict[int, float]:
+    """``{i: ‖t‖²}`` of ``(i, t)`` pairs, reduced in float64 (no underflow of fp32 squares), with one
+    transfer to the host per device rather than one per tensor (each a device sync on a GPU)."""
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in tensors:
+        by_device.setdefault(t.device, []).append((i, t))
+    out: dict[int, float] = {}
+    for pairs in by_device.values():
+        norms = torch._foreach_norm([t for _, t in pairs], 2, dtype=torch.float64)  # one call for the list
+        out.update(zip((i for i, _ in pairs), torch.stack(norms).square().tolist()))
     return out
 
 

@@ -846,3 +846,28 @@ def test_a_probed_step_leaves_no_graph_alive(sketch):
     mine = {id(m) for m in model.modules()}
     assert not [o for o in gc.get_objects() if isinstance(o, hooks_module._Piece) and id(o.layer.module) in mine]
     probe.close()
+
+
+def test_the_end_of_a_step_reads_no_value_per_parameter():
+    """Each value read to the host is a device sync on a GPU: the magnitudes of the add-up check and the squared
+    norms of the gradients (before and during the step) are read once per step, not once per parameter (they
+    were: two reads a parameter). Counted on the CPU as the profiler's scalar reads; with ``.grad`` already set
+    (accumulation), K = 4 agents, rows of several agents."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def reads(depth: int) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(depth)])
+        probe = Probe(model, AGENTS, ROLES, method="hooks")
+        x, ids = torch.randn(8, 3, 6), torch.arange(8)[:, None].expand(8, 3) % 4
+        try:
+            for step in range(3):  # the first checks itself against split; .grad accumulates
+                with profile(activities=[ProfilerActivity.CPU]) if step == 2 else nullcontext() as prof:
+                    with probe.step(step) as s:
+                        s.backward_tokens(model(x).square().mean(-1), ids)
+        finally:
+            probe.close()
+        assert s.result.method == "hooks"
+        return sum(e.count for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense"))
+
+    assert reads(16) == reads(2)
