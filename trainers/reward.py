@@ -3,7 +3,9 @@
 Math answers are checked with ``check_answer`` (exact arithmetic for generated tasks, math-verify
 equivalence for GSM8K / MATH files); code answers pass only if the program
 passes the task's tests inside the sandbox — never in-process. Code verdicts are cached per
-(task, answer): GRPO groups produce many identical programs.
+(task, answer): GRPO groups produce many identical programs. A wall-clock time-out is not cached: it
+depends on how busy the machine was, and a correct program would otherwise score 0 for the rest of
+the run.
 """
 from __future__ import annotations
 
@@ -49,12 +51,16 @@ class Scorer:
         with ThreadPoolExecutor(self.workers) as pool:  # each check is a sandboxed subprocess
             verdicts = pool.map(lambda key: check_program(*sandbox_args(code[key], key[1]), limits=self.limits,
                                                           unsafe=self.unsafe), todo)
+            verdict = {}
             for key, result in zip(todo, verdicts):
-                self._code_cache[key] = result.verdict == "pass"
+                verdict[key] = result.verdict == "pass"
+                if not result.wall_timeout:
+                    self._code_cache[key] = verdict[key]
         for ep in episodes:
             if ep.answer is None:
                 ep.reward = 0.0
             elif ep.task.kind == "math":
                 ep.reward = float(check_answer(ep.task, ep.answer))
             else:
-                ep.reward = float(self._code_cache[(ep.task.id, ep.answer)])
+                key = (ep.task.id, ep.answer)
+                ep.reward = float(self._code_cache[key] if key in self._code_cache else verdict[key])

@@ -95,3 +95,28 @@ def test_other_threads_fall_back_to_the_exact_check() -> None:
     t.join(60)
     assert got == {"units": False, "plain": True}
     assert answers_equivalent("7 cm", "7")  # and in the main thread, math-verify
+
+
+def test_numbers_are_compared_exactly():
+    """docs/tasks.md: two numbers are compared exactly as rationals (a relative tolerance of 1e-9 let
+    ``37.9999999999`` score for ``38`` and ``0.3333333333`` for ``1/3``)."""
+    task = generate_math(1, 1, 0)[0]
+    value = int(task.answer)
+    for near in (f"{value - 1}.9999999999", f"{value}.00000000001"):
+        assert not answers_match(near, task.answer) and not is_correct(task, f"the answer is {near}")
+    assert not answers_match("0.3333333333", "1/3") and not answers_equivalent("0.3333333333", "1/3")
+    assert answers_match(f"{2 * value}/2", task.answer) and answers_match("3.8e1", "38")
+
+
+def test_a_huge_number_is_neither_a_hang_nor_a_crash():
+    """``\\boxed{1e999999999}`` made Fraction expand 10**999999999 (hours, in the trainer's process) and an answer
+    of more than 4300 digits made int() raise out of the scorer: such answers are compared as strings."""
+    from gradscope.trainers.tasks.math import MAX_EXPONENT, parse_number
+
+    assert parse_number(f"1e{MAX_EXPONENT + 1}") is None and parse_number(f"-2.5e-{MAX_EXPONENT + 1}") is None
+    assert parse_number(f"1e{MAX_EXPONENT}") == 10 ** MAX_EXPONENT
+    task = generate_math(1, 1, 0)[0]
+    for answer in (r"\boxed{1e999999999}", "the answer is " + "9" * 4301, "9" * 5000 + "/3"):
+        assert not is_correct(task, answer)
+    assert answers_match("9" * 5000, "0" + "9" * 5000) is False  # strings: no leading-zero normalising past 4300
+    assert answers_match("9" * 5000, "9" * 5000)

@@ -144,3 +144,28 @@ def test_a_candidates_stop_iteration_does_not_end_the_tests_loop():
     hack = check_program(prompt, "    raise StopIteration\n", test, "f")
     assert honest.verdict == "pass" and hack.verdict != "pass", (honest, hack)
     assert "StopIteration" in hack.reason or "StopIteration" in hack.stderr, hack
+
+
+def test_a_wall_clock_timeout_is_not_cached(humaneval, monkeypatch):
+    """A wall-clock time-out depends on how busy the machine was: cached, it scored a correct program 0 for the
+    rest of the run. Verdicts that are the program's own (here a CPU time-out) stay cached."""
+    import gradscope.trainers.reward as reward
+    from gradscope.trainers.sandbox.limits import SandboxResult
+
+    outcomes = {"a": ["wall time 5 s exceeded", None], "b": ["cpu time 5 s exceeded", None]}
+    runs = []
+
+    def fake_check(prompt, body, test, entry, limits, unsafe):
+        key = "a" if "'a'" in body else "b"
+        runs.append(key)
+        reason = outcomes[key].pop(0)
+        return SandboxResult("pass" if reason is None else "timeout", reason or "the tests passed", 0, "", "", 1.0)
+
+    monkeypatch.setattr(reward, "check_program", fake_check)
+    task = humaneval["HumanEval/0"]
+    scorer = Scorer()
+    for expected in (0.0, 1.0):
+        slow, spinning = Episode(task, answer="    return 'a'\n"), Episode(task, answer="    return 'b'\n")
+        scorer.score([slow, spinning])
+        assert (slow.reward, spinning.reward) == (expected, 0.0)
+    assert sorted(runs) == ["a", "a", "b"]

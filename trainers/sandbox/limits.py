@@ -67,3 +67,8 @@ class SandboxResult:
     @property
     def passed(self) -> bool:
         return self.verdict == "pass"
+
+    @property
+    def wall_timeout(self) -> bool:
+        """Stopped at the wall-clock limit: a verdict that depends on how busy the machine was."""
+        return self.verdict == "timeout" and self.reason.startswith("wall time")

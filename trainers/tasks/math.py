@@ -1,6 +1,6 @@
 """Math tasks: a seeded arithmetic generator, GSM8K / MATH JSONL loaders, answer extraction.
 
-Generated problems are sized for the character-level testbed model (prompts of 6-9 characters,
+Generated problems are sized for the character-level testbed model (prompts of 5-8 characters,
 fixed-width answers); the loaders take real datasets given by path. Model outputs are scored with
 :func:`extract_answer` + :func:`check_answer` (or :func:`is_correct`, which does both): generated
 problems by exact arithmetic (:func:`answers_match`), GSM8K / MATH file problems by
@@ -231,7 +231,7 @@ def normalise_answer(s: str | None, *, width: int | None = None) -> str:
     s = s.rstrip(".")
     if _COMMA_NUM_RE.fullmatch(s):
         s = s.replace(",", "")
-    if _INT_RE.fullmatch(s):
+    if _INT_RE.fullmatch(s) and len(s) <= MAX_NUMBER_CHARS:  # int() refuses more (a long answer crashed)
         value = int(s)
         if width is not None and value >= 0:
             return str(value).zfill(width)
@@ -247,6 +247,10 @@ def normalise_answer(s: str | None, *, width: int | None = None) -> str:
     return s
 
 
+#: A number's normalised text longer than this, or with an exponent beyond ±MAX_EXPONENT, is not parsed as a
+#: number (it is compared as a string): Python's int() refuses more than 4300 digits, and an exponent is expanded.
+MAX_NUMBER_CHARS = 4300
+MAX_EXPONENT = 4300
 _LATEX_FRAC_FULL = re.compile(r"(-?)\\frac(?:\{([^{}]+)\}|(\d))(?:\{([^{}]+)\}|(\d))")
 
 
@@ -265,7 +269,12 @@ def parse_number(s: str | None) -> Fraction | None:
             return None
         value = num / den
         return -value if m.group(1) else value
-    if re.fullmatch(r"[+-]?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?", t):
+    if len(t) > MAX_NUMBER_CHARS:
+        return None
+    m = re.fullmatch(r"[+-]?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE]([+-]?\d+))?", t)
+    if m:
+        if m.group(1) is not None and abs(int(m.group(1))) > MAX_EXPONENT:
+            return None  # Fraction would expand 10**exponent in full: 1e999999999 took hours
         return Fraction(t)
     m = re.fullmatch(r"([+-]?\d+)/([+-]?\d+)", t)
     if m:
@@ -274,18 +283,18 @@ def parse_number(s: str | None) -> Fraction | None:
     return None
 
 
-def answers_match(pred: str | None, ref: str | None, *, rel_tol: float = 1e-9) -> bool:
+def answers_match(pred: str | None, ref: str | None) -> bool:
     """Whether a predicted answer equals the reference.
 
-    Numerically when both parse as numbers (``042`` = ``42``, ``0.5`` = ``1/2`` = ``\\frac{1}{2}``,
-    ``1,000`` = ``1000``; relative tolerance ``rel_tol``), else as normalised strings.
+    Exactly as rationals when both parse as numbers (``042`` = ``42``, ``0.5`` = ``1/2`` = ``\\frac{1}{2}``,
+    ``1,000`` = ``1000``; ``0.3333333333`` ≠ ``1/3``), else as normalised strings.
     ``None`` or empty never matches.
     """
     if pred is None or ref is None:
         return False
     a, b = parse_number(pred), parse_number(ref)
     if a is not None and b is not None:
-        return abs(a - b) <= rel_tol * max(1, abs(b))
+        return a == b
     na, nb = normalise_answer(pred), normalise_answer(ref)
     return bool(na) and na == nb
 
