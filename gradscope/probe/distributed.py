@@ -68,15 +68,16 @@ def check_same_setup(group: dist.ProcessGroup, setup: dict[str, int | str | Sequ
     """
     names = list(setup)
     values = [_as_int(setup[n]) for n in names]
-    hi = _all_reduce_max(values, group)
-    lo = [-v for v in _all_reduce_max([-v for v in values], group)]
+    hi = all_reduce_max(values, group)
+    lo = [-v for v in all_reduce_max([-v for v in values], group)]
     differ = [n for n, a, b in zip(names, hi, lo) if a != b]
     if differ:
         raise ProbeError(f"the ranks built their probes differently ({', '.join(differ)} differ); every rank "
                          "must probe the same agents, parameters, groups and sketch")
 
 
-def _all_reduce_max(values: list[int], group: dist.ProcessGroup) -> list[int]:
+def all_reduce_max(values: list[int], group: dist.ProcessGroup) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``group`` (every rank gets it)."""
     t = torch.tensor(values, dtype=torch.int64)
     t = t.to(_comm_device(group, t))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -54,6 +54,12 @@ def assign_groups(names: Sequence[str], spec: GroupSpec) -> tuple[list[str], lis
 
 
 def _prefix_rule(prefixes: Mapping[str, Sequence[str]]) -> Callable[[str], str]:
+    bad = [group for group, starts in prefixes.items()
+           if isinstance(starts, str) or not all(isinstance(s, str) for s in starts)]
+    if bad:  # a string is a sequence of one-character prefixes: "lm_head" would match every "l..." name
+        raise ProbeError(f"groups: the prefixes of group {bad[0]!r} must be a list of strings, got "
+                         f"{prefixes[bad[0]]!r}")
+
     def rule(name: str) -> str:
         for group, starts in prefixes.items():
             if any(name.startswith(s) for s in starts):

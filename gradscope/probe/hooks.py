@@ -75,6 +75,7 @@ straight to the store's coordinates.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradscope.errors import ProbeError
 from gradscope.probe import fused
-from gradscope.probe.distributed import all_reduce_sum_
+from gradscope.probe.distributed import all_reduce_max, all_reduce_sum_
 from gradscope.probe.fused import as_dtype
 from gradscope.probe.method import GramMethod, Terms
 from gradscope.probe.split import backward_per_agent
@@ -104,6 +105,8 @@ PER_ROW_LIMIT = 1 << 24
 #: error of n summed squares is at most n · 1.2e-38 / 1e-20 = 1.2e-18 · n, negligible above it).
 PRECISE_BELOW = 1e-20
 _NO_CONTEXT = nullcontext()
+#: The layers an open hooks probe holds (module → its method): a second probe on one of them is refused.
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, HooksMethod]" = weakref.WeakKeyDictionary()
 
 
 def supported(module: nn.Module) -> bool:
@@ -245,6 +248,12 @@ class HooksMethod(GramMethod):
         self.layers, uncovered = find_layers(model, self.params)
         if uncovered:
             raise ProbeError(f"hooks cannot attribute parameters {uncovered}; use method='split'")
+        older = {id(m): m for layer in self.layers if (m := _HOOKED.get(layer.module)) is not None}
+        for method in older.values():  # one probe per layer: the newer one's hooks would take the older one's calls
+            method.close()
+            method.superseded = True
+            warnings.warn("gradscope probe: a new Probe hooks layers of one that was not closed; the older probe is "
+                          "closed (one probe per layer)", RuntimeWarning, stacklevel=4)
         self.strict, self.check_every, self.grad_reduced = strict or grad_reduced, check_every, grad_reduced
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         # the per-row products are the weight gradient: spare autograd computing it again (see fused.py); with
@@ -257,6 +266,8 @@ class HooksMethod(GramMethod):
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward_hook, layer), with_kwargs=True)
                           for layer in self.layers if id(layer.module) not in installed]
+        for layer in self.layers:
+            _HOOKED[layer.module] = self
         self._forwards: list[_Forward] = []
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
         self._tagged: _Forward | None = None  # the forward its layer calls go to
@@ -529,7 +540,7 @@ class HooksMethod(GramMethod):
             dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1)
         else:
             D = self._dense_of(layer.weight)
-            if fwd.unowned is not None:  # rows of no agent: autograd's Gᵀ A holds them
+            if fwd.unowned is not None or not fwd.by_agent:  # rows of no agent: autograd's Gᵀ A holds them
                 for k, rows in fwd.by_agent.items():
                     D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
                 return None, db, (None, db_size)
@@ -640,14 +651,27 @@ class HooksMethod(GramMethod):
         if self._steps_since_check is not None:
             self._steps_since_check += 1
         since = self._steps_since_check
-        if self.check_every is not None and not self.failed_check and (
-                since is None or (self.check_every > 0 and since >= self.check_every)):
+        check = self.check_every is not None and not self.failed_check and (
+            since is None or (self.check_every > 0 and since >= self.check_every))
+        group = None if self.store is None else self.store.group
+        if group is not None:  # a rank that re-armed the check alone made the ranks' collectives differ at end
+            check = bool(all_reduce_max([int(check)], group)[0])
+        if check:
             self._check = (self.store.local_copy() if self.store is not None
                            else FlatStore(self.params, self.group_index, self.n_groups, self.n_agents))
             self._check.zero()
 
+    def _refuse_after_failed_check(self) -> None:
+        """Under ``method="hooks"``, every call after a failed self-check raises: no unchecked hooks, no split."""
+        if self.failed_check and self.strict:
+            self._prune(lambda f: f is self._tagged)  # (an error a loop catches must not keep the graphs alive)
+            raise ProbeError((self._failure or "hooks failed its self-check") + " (at an earlier step; method='hooks' "
+                             "does not fall back to split: use method='auto' or 'split', or a new probe once the "
+                             "cause is fixed)")
+
     def backward(self, terms: Terms, retain_graph: bool) -> None:
         """No row information: this call goes through split (one backward per term)."""
+        self._refuse_after_failed_check()
         self._split(terms, retain_graph, "per-agent-losses", "per-agent loss terms carry no row information")
 
     def _split(self, terms: Terms, retain_graph: bool, reason: str, why: str) -> None:
@@ -679,11 +703,7 @@ class HooksMethod(GramMethod):
         if not loss.requires_grad:
             return
         live = [f for f in self._forwards if not f.consumed and f.pieces and f is not self._tagged]
-        if self.failed_check and self.strict:
-            self._prune(lambda f: f is self._tagged)  # (an error a loop catches must not keep the graphs alive)
-            raise ProbeError((self._failure or "hooks failed its self-check") + " (at an earlier step; method='hooks' "
-                             "does not fall back to split: use method='auto' or 'split', or a new probe once the "
-                             "cause is fixed)")
+        self._refuse_after_failed_check()
         try:
             if self.failed_check:
                 raise _Fallback("check-failed", "hooks failed its self-check earlier")
@@ -1008,6 +1028,9 @@ class HooksMethod(GramMethod):
         for installed in self._installed:
             installed.remove()
         self._handles, self._installed = [], []
+        for layer in self.layers:
+            if _HOOKED.get(layer.module) is self:
+                del _HOOKED[layer.module]
 
     def _reset(self) -> None:
         self._dense, self._grad0, self._magnitude, self._resolved = {}, [], [], None

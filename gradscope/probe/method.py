@@ -45,6 +45,8 @@ class GramMethod(ABC):
     """
 
     name: str = ""
+    #: a newer probe took this one's layers over (hooks): the probe is closed
+    superseded: bool = False
 
     def __init__(self, params: Sequence[nn.Parameter], group_index: Sequence[int], n_groups: int,
                  n_agents: int, *, model: nn.Module | None = None, store: Store | None = None) -> None:

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from gradscope.errors import ProbeError
 from gradscope.peft_support import adapter_parameters
-from gradscope.probe.distributed import all_reduce_sum_, check_same_setup, resolve_group, world_size
+from gradscope.probe.distributed import all_reduce_max, all_reduce_sum_, check_same_setup, resolve_group, world_size
 from gradscope.probe.groups import GroupSpec, assign_groups
 from gradscope.probe.hooks import HooksMethod, find_layers
 from gradscope.probe.method import GramMethod, token_terms
@@ -45,6 +45,7 @@ from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
 from gradscope.probe.store import FlatStore, Store
 from gradscope.probe.updates import UpdateAttribution, UpdateResult
+from gradscope.runfile.schema import PROBE_METHODS
 
 #: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
 METHODS: dict[str, type[GramMethod]] = {"split": SplitMethod, "hooks": HooksMethod}
@@ -132,7 +133,8 @@ class Probe:
             raise ProbeError(f"no role given for agents {missing}")
         if method != "auto" and method not in METHODS:
             raise ProbeError(f"unknown probe method {method!r}; available: {sorted(METHODS) + ['auto']}")
-        if check_every is not None and (not isinstance(check_every, int) or check_every < 0):
+        if check_every is not None and (not isinstance(check_every, int) or isinstance(check_every, bool)
+                                        or check_every < 0):
             raise ProbeError(f"check_every must be None or an integer >= 0, got {check_every!r}")
         self.sketch = as_sketch(sketch)
         self.process_group = resolve_group(process_group)
@@ -159,7 +161,8 @@ class Probe:
             check_same_setup(self.process_group, {
                 "agents": self.agents, "parameter names": self.param_names, "groups": self.groups,
                 "parameter sizes": [str(p.shape) for p in params_only], "method": self.method_name,
-                "sketch": str(self.sketch), "grad_reduced": str(bool(grad_reduced))})
+                "sketch": str(self.sketch), "grad_reduced": str(bool(grad_reduced)),
+                "check_every": str(check_every)})
         store: Store | None = None
         if self.sketch is not None:
             store = SketchStore(params_only, self.param_names, group_index, len(self.groups), len(agents),
@@ -173,6 +176,7 @@ class Probe:
         self.params, self.group_index, self.grad_reduced = params_only, group_index, bool(grad_reduced)
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
+        self._current: ProbeStep | None = None  # the open step's handle
         self._closed = False  # close() was called
         self.last: StepResult | None = None
         self._updates: UpdateAttribution | None = None
@@ -194,10 +198,12 @@ class Probe:
         """Probe one optimizer step; ``.result`` of the yielded object is set on exit."""
         if self._closed:
             raise ProbeError("the probe is closed (its hooks are removed); make a new Probe")
+        if self._method.superseded:
+            raise ProbeError("the probe is closed: a newer Probe hooks the same layers (one probe per layer); use it")
         if self._open:
             raise ProbeError("a probed step is already open; steps cannot nest")
         self._open = True
-        handle = ProbeStep(self, step, policy)
+        handle = self._current = ProbeStep(self, step, policy)
         if self._updates is not None:
             self._updates.begin()
         self._method.begin()
@@ -208,14 +214,18 @@ class Probe:
             raise
         else:
             grams = self._method.end()
+            record = self._method.record
             if self.process_group is not None:
                 handle.tokens = all_reduce_sum_(torch.from_numpy(handle.tokens), self.process_group).numpy()
+                # the ranks' records differ where one fell back or made no checked call: every rank reports
+                # the highest-numbered one (a fallback over the check over plain hooks)
+                record = PROBE_METHODS[all_reduce_max([PROBE_METHODS.index(record)], self.process_group)[0]]
             handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens,
-                                                   self._method.record, tuple(self._method.warnings))
+                                                   record, tuple(self._method.warnings))
             if self._updates is not None:
                 self._updates.collected(handle.result)
         finally:
-            self._open = False
+            self._open, self._current = False, None
 
     def attach(self, optimizer: torch.optim.Optimizer, unit: str = "role") -> None:
         """Split every step of ``optimizer`` (torch AdamW or Adam) into per-``unit`` updates (``"role"`` or
@@ -294,6 +304,13 @@ class ProbeStep:
         self.tokens = np.zeros(len(probe.agents), dtype=np.int64)
         self.result: StepResult | None = None
 
+    def _method(self) -> GramMethod:
+        """The probe's method, for a call of this step: only while its ``with`` block is open (after it, a
+        backward would add to ``.grad`` what no Gram holds)."""
+        if self._probe._current is not self:
+            raise ProbeError(f"step {self.step} is not open: its with block has ended (call backward inside it)")
+        return self._probe._method
+
     def backward(self, losses: Mapping[str, torch.Tensor], tokens: Mapping[str, int] | None = None, *,
                  retain_graph: bool = False) -> None:
         """Back-propagate ``Σ_agent losses[agent]`` as ``loss.backward()`` would, attributed per agent.
@@ -310,7 +327,7 @@ class ProbeStep:
             terms.append((self._probe.agent_index(agent), loss))
         for agent, n in (tokens or {}).items():
             self.tokens[self._probe.agent_index(agent)] += int(n)
-        self._probe._method.backward(terms, retain_graph)
+        self._method().backward(terms, retain_graph)
 
     @contextmanager
     def rows(self, agent_of_row: torch.Tensor | Sequence[int | str], batch_dim: int | None = None) -> Iterator[None]:
@@ -327,7 +344,7 @@ class ProbeStep:
         any number of them may precede one backward (e.g. one forward per role).
         """
         agents = self._agents(agent_of_row)
-        with self._probe._method.tag(agents, batch_dim):
+        with self._method().tag(agents, batch_dim):
             yield
 
     def backward_rows(self, row_loss: torch.Tensor, agent_of_row: torch.Tensor | Sequence[int | str], *,
@@ -357,7 +374,7 @@ class ProbeStep:
                                        minlength=len(self.tokens)).astype(np.int64)
         present = sorted(set(agents[agents >= 0].tolist()))
         terms = None if row_loss.dim() == 0 else (lambda: token_terms(row_loss, agents.to(row_loss.device), present))
-        self._probe._method.backward_rows(row_loss, agents, terms, retain_graph)
+        self._method().backward_rows(row_loss, agents, terms, retain_graph)
 
     def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, *,
                         retain_graph: bool = False) -> None:
@@ -371,6 +388,8 @@ class ProbeStep:
         if token_loss.shape != agent_ids.shape:
             raise ProbeError(f"token_loss {tuple(token_loss.shape)} and agent_ids {tuple(agent_ids.shape)} "
                              "must have the same shape")
+        if agent_ids.is_floating_point() or agent_ids.is_complex() or agent_ids.dtype == torch.bool:
+            raise ProbeError(f"agent_ids must be integers, got {agent_ids.dtype}")
         if agent_ids.numel() and int(agent_ids.min()) < -1:  # as backward_rows and rows(): only -1 means no agent
             raise ProbeError(f"agent ids must be in [-1, {len(self.tokens) - 1}], got {int(agent_ids.min())}")
         unowned = agent_ids < 0
@@ -381,7 +400,7 @@ class ProbeStep:
             raise ProbeError(f"agent id {counts.numel() - 1} out of range for {len(self.tokens)} agents")
         self.tokens += counts.cpu().numpy()
         agents = [k for k, n in enumerate(counts.tolist()) if n > 0]
-        self._probe._method.backward_rows(token_loss, _row_agents(agent_ids),
+        self._method().backward_rows(token_loss, _row_agents(agent_ids),
                                           lambda: token_terms(token_loss, agent_ids, agents), retain_graph)
 
     def _agents(self, agent_of_row: torch.Tensor | Sequence[int | str]) -> torch.Tensor:

@@ -53,6 +53,7 @@ def main(out_dir: str) -> None:
     group = dist.new_group([0, 1])
     _, result, _ = run_case(CASES[0], ROWS[rank], global_count, process_group=group)
     out["explicit-group/gram"] = result["gram"]
+    out["rearm/methods"] = np.array(rearmed_check_steps(rank))
     # Ranks that disagree on the agents are refused, on every rank, at construction.
     try:
         Probe(make_mlp(), AGENTS if rank == 0 else AGENTS[:3], ROLES)
@@ -61,6 +62,34 @@ def main(out_dir: str) -> None:
         out["mismatch"] = np.array(str(e))
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
     dist.destroy_process_group()
+
+
+class SeqFirst(torch.nn.Module):
+    """A Linear on sequence-first input (T, B, d): with T == B its batch dimension is a guess."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).squeeze(-1).sum(0)  # (B,) per-row loss
+
+
+def rearmed_check_steps(rank: int) -> list[str]:
+    """Three steps of a probe (auto) whose rank 0 alone guesses a batch dimension at step 1 (rows of two
+    agents, T == B) and so re-arms the self-check: at step 2 only rank 0 checked, and the ranks' collectives
+    at the step's end differed (a gloo abort). Returns the steps' recorded methods."""
+    torch.manual_seed(0)
+    model = SeqFirst()
+    probe = Probe(model, ["a", "b"], {"a": "r", "b": "r"})
+    methods = []
+    for step, rows in enumerate(([rank, rank], [0, 1] if rank == 0 else [1, 1], [0, 1] if rank == 0 else [1, 1])):
+        model.zero_grad(set_to_none=True)
+        with probe.step(step) as s:
+            s.backward_rows(model(torch.randn(2, 2, 4)), rows)
+        methods.append(s.result.method)
+    probe.close()
+    return methods
 
 
 if __name__ == "__main__":

@@ -295,6 +295,11 @@ def test_after_a_failed_check_hooks_raises_at_every_later_step():
             with probe.step(step) as s:
                 s.backward_tokens(model(x).square().sum(1, keepdim=True), ids)
         assert not probe._method._forwards  # a caught error keeps no step's graph alive
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ProbeError, match="self-check.*at an earlier step"):  # per-agent losses too (they went to split)
+        with probe.step(3) as s:
+            out = model(x).square().sum(1)
+            s.backward({a: out[k] for k, a in enumerate(AGENTS)})
     state = probe.state_dict()
     assert state["state"]["failed_check"] is True
     probe.close()

@@ -72,6 +72,15 @@ def test_two_ranks_give_the_one_process_gram(ranks, case):
         assert np.all(single["gram"][:3, 3] == 0) and np.all(ranks[0][f"{name}/gram"][:3, 3] == 0)
 
 
+def test_a_rank_that_re_arms_the_check_alone_does_not_abort_the_job(ranks):
+    """The check schedule and the recorded method are the ranks' together: a rank that guessed a batch dimension
+    re-armed the check for itself only (a gloo abort at the next step's end), and each rank recorded its own
+    method (the run file, written by rank 0, missed rank 1's fallback)."""
+    methods = [rank["rearm/methods"].tolist() for rank in ranks]
+    # step 2: the check runs on both ranks and catches the guess (dimension 0 is the sequence): split from then on
+    assert methods[0] == methods[1] == ["hooks+check", "split-fallback:unmatched-rows", "split-fallback:check-failed"]
+
+
 def test_explicit_group_and_refused_mismatch(ranks):
     name = case_name(CASES[0])
     for rank in ranks:

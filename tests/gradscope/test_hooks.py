@@ -871,3 +871,64 @@ def test_the_end_of_a_step_reads_no_value_per_parameter():
         return sum(e.count for e in prof.key_averages() if e.key in ("aten::item", "aten::_local_scalar_dense"))
 
     assert reads(16) == reads(2)
+
+
+def test_a_micro_batch_of_no_agent_on_a_dense_weight():
+    """A micro-batch whose rows are all prompt or padding (agent -1) after one that made a full-width weight dense:
+    ``torch.stack`` of no per-agent products raised a RuntimeError out of the backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    x, ids = torch.randn(16, 40, 64), (torch.arange(16) % 4)[:, None].expand(16, 40)
+    terms = {a: model(x).squeeze(-1)[ids == k].sum() for k, a in enumerate(AGENTS)}
+    expected = brute_force_gram(terms, list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with probe.step(0) as s:
+        s.backward_tokens(model(x).squeeze(-1), ids)
+        s.backward_tokens(model(torch.randn(2, 1, 64)).squeeze(-1) * 0, torch.full((2, 1), -1))
+    probe.close()
+    assert s.result.method == "hooks+check" and rel_err(s.result.gram, expected) < 1e-5
+
+
+def test_a_step_handle_after_its_block_and_a_second_probe():
+    """A call on a step's handle after its ``with`` block added gradient that no Gram held, silently; a second
+    probe on the same layers took the first one's calls, whose next backward then blamed retain_graph. Now: a
+    ProbeError ('not open'); the newer probe takes the layers over and the older one is closed, saying so."""
+    torch.manual_seed(0)
+    model = make_mlp()
+    x, rows = torch.randn(4, 5), [0, 1, 2, 3]
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with probe.step(0) as s:
+        s.backward_rows(model(x).sum(1), rows)
+    with pytest.raises(ProbeError, match="step 0 is not open"):
+        s.backward_rows(model(x).sum(1), rows)
+    with pytest.warns(RuntimeWarning, match="the older probe is closed"):
+        newer = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match="a newer Probe hooks the same layers"):
+        with probe.step(1):
+            pass
+    model.zero_grad(set_to_none=True)
+    with newer.step(1) as s:
+        s.backward_rows(model(x).sum(1), rows)
+    newer.close()
+    terms = {a: model(x).sum(1)[k] for k, a in enumerate(AGENTS)}
+    assert rel_err(s.result.gram, brute_force_gram(terms, list(model.parameters()))) < 1e-5
+    Probe(model, AGENTS, ROLES, method="hooks").close()  # the closed one no longer holds the layers: no warning
+
+
+def test_agent_ids_must_be_integers_and_check_every_not_a_bool():
+    model = make_mlp()
+    with pytest.raises(ProbeError, match="check_every must be None or an integer"):
+        Probe(model, AGENTS, ROLES, check_every=True)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match="agent_ids must be integers, got torch.float32"):
+        with probe.step(0) as s:
+            s.backward_tokens(model(torch.randn(4, 2, 5)).sum(-1), torch.zeros(4, 2))
+    probe.close()
+
+
+def test_group_prefixes_must_be_a_list():
+    """``groups={"head": "2."}`` was read as the prefixes '2' and '.': a silently wrong grouping."""
+    with pytest.raises(ProbeError, match="prefixes of group 'head' must be a list of strings, got '2.'"):
+        Probe(make_mlp(), AGENTS, ROLES, groups={"body": ["0."], "head": "2."})
+    Probe(make_mlp(), AGENTS, ROLES, groups={"body": ["0."], "head": ["2."]}).close()
