@@ -15,7 +15,8 @@ Two workloads, K = 4 and 8 agents, every row one agent's:
 Methods (each a full step: forward, loss, backward, and the K×K Gram; ``.grad`` left as a plain step
 leaves it, to rounding):
 
-``plain``       ``loss.sum().backward()``, no probe;
+``plain``       ``loss.sum().backward()``, no probe; ``plain-copy`` (LM) the same on a second copy of the
+                model: two identical computations, so its ratio is the noise floor of the others;
 ``hooks``       ``Probe(method="hooks")``; ``hooks+sketch`` with ``sketch=256`` (TensorSketch on the
                 MLP's full-width weights);
 ``split``       ``Probe(method="split")``; ``split+sketch`` likewise;
@@ -69,12 +70,12 @@ from torch.func import functional_call, grad, vmap
 from gradscope.probe import Probe
 
 CONFIGS = {
-    "lora-lm": dict(B=32, T=64, warmup=1, reps=5, processes=3),
+    "lora-lm": dict(B=32, T=64, warmup=1, reps=9, processes=3),
     "mlp": dict(B=64, T=16, warmup=1, reps=7, processes=1),
     "mlp-0.6b": dict(B=64, T=16, warmup=1, reps=5, processes=1),
 }
 METHODS = {
-    "lora-lm": ["plain", "hooks", "split", "naive", "microbatch", "func", "opacus", "backpack"],
+    "lora-lm": ["plain", "plain-copy", "hooks", "split", "naive", "microbatch", "func", "opacus", "backpack"],
     "mlp": ["plain", "hooks", "hooks+sketch", "split", "split+sketch", "naive", "microbatch", "func", "opacus",
             "backpack"],
     "mlp-0.6b": ["plain", "hooks+sketch", "split", "split+sketch"],
@@ -198,7 +199,7 @@ class Runner:
         params = [p for _, p in w.named(model)]
         for p in params:
             p.grad = None
-        if method == "plain":
+        if method in ("plain", "plain-copy"):
             w.loss(model).sum().backward()
             return None
         if method in self.probes:
@@ -375,6 +376,8 @@ def main(verbose: bool = True, threads: int = 1, memory: bool = True,
                 checks.append(f"hooks <= 1.05: {'yes' if ratio['hooks'] <= 1.05 else 'NO'}"
                               + (f" (every process: {'yes' if hi <= 1.05 else 'NO'}, {lo:.3f}-{hi:.3f})"
                                  if "processes" in r else ""))
+                lo, hi = r.get("ratio_range", {}).get("plain-copy", (ratio["plain-copy"],) * 2)
+                checks.append(f"noise floor (plain on a second copy): {ratio['plain-copy']:.3f} ({lo:.3f}-{hi:.3f})")
             else:
                 checks.append(f"hooks+sketch {ratio['hooks+sketch']:.3f} <= 1.3: "
                               f"{'yes' if ratio['hooks+sketch'] <= 1.3 else 'NO'}")
