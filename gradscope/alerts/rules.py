@@ -63,8 +63,8 @@ _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxoth
 
 _TOKEN = re.compile(r"""
     (?P<space>\s+)
-  | (?P<factor>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?x)(?![\w.])
-  | (?P<number>[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)(?![\w])
+  | (?P<factor>[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?x)(?![\w.])
+  | (?P<number>[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)(?![\w])
   | (?P<name>[A-Za-z_][\w./-]*)
   | (?P<op>>=|<=|>|<)
   | (?P<punct>[\[\]():,*|])

@@ -90,7 +90,8 @@ def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 
             before = dict(follower.next)
             follower.poll()
             if run.closed:
-                echo(f"writer closed {path} (last step {follower.last_step}): "
+                last = "no step" if follower.last_step < 0 else f"last step {follower.last_step}"
+                echo(f"writer closed {path} ({last}): "
                      f"{len(follower.monitor.fired)} alerts")
                 return follower.monitor.fired
             if follower.next != before:

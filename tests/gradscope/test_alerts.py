@@ -72,6 +72,8 @@ def test_rules_parse(text, fields):
     ("opt.loss > 1", 1, "'opt.loss' needs a policy"),
     ("metric.foo[voter] > 0", 1, "'metric.foo' takes no selector"),
     ("   ", 4, "empty"),
+    ("eval.accuracy < \u0663", 17, "'\u0663'"),  # a digit of another script is not a number
+    ("grad_norm > \u0663x median(5)", 13, "'\u0663'"),
 ])
 def test_bad_rules_point_at_the_token(text, column, token):
     with pytest.raises(ConfigError) as err:
@@ -484,3 +486,15 @@ def test_watch_bad_input_is_one_line_exit_2(tmp_path, args, expected):
     assert proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
     missing = subprocess.run([*GRADSCOPE, "watch", str(tmp_path / "nope.h5")], capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+
+
+def test_watch_on_a_closed_file_without_steps_says_so(tmp_path):
+    """It said '(last step -1)'."""
+    from gradscope.alerts.watch import watch
+
+    meta = RunMeta(agents=AGENTS, agent_roles=ROLES, roles=["voter", "aggregator"], policies=["voter", "aggregator"])
+    with RunWriter(tmp_path / "r.h5", meta):
+        pass
+    out: list[str] = []
+    watch(str(tmp_path / "r.h5"), [parse_rule("acc_drop > 0.05")], poll=0.01, echo=out.append)
+    assert out[-1] == f"writer closed {tmp_path / 'r.h5'} (no step): 0 alerts"
