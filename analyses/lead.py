@@ -2,8 +2,9 @@
 
 For every per-step signal (each role's gradient norm, each multi-agent role's coherence, each
 role's contribution share in a shared set, each policy's update size), the baseline is the median
-and MAD of the ``baseline`` steps up to the accuracy peak (the run's first 5 steps when the peak
-comes earlier). A signal *moves* at the first step after
+and MAD of the signal's last ``BASELINE`` (20) finite steps up to the accuracy peak (its first 5
+finite steps when fewer than 5 come up to the peak; a signal with fewer than 5 finite steps has no
+baseline and never moves). A signal *moves* at the first step after
 the peak at which it leaves the baseline by ``z`` robust standard deviations (at least ``rel`` of
 the baseline level, so flat signals do not fire on noise) for ``persist`` consecutive steps. The
 lead is ``onset − that step`` (positive: it moved before accuracy fell).

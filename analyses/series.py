@@ -180,11 +180,16 @@ class RunSeries:
         return self.per_step(norms, self.record_role_norm > 0)
 
     @cached_property
-    def role_interference(self) -> np.ndarray:
-        """(T, R + 2, R) ``<Δθ_a, g_s>`` by component a (roles, unattributed, weight decay) and role s:
-        mean over a step's records in which a's role has a gradient (the extras: every record)."""
+    def record_interference(self) -> np.ndarray:
+        """(N, R + 2, R) ``<Δθ_a, g_s>`` of each record by component a (roles, unattributed, weight
+        decay) and role s; NaN where a's role has no gradient in the record (the extras: never)."""
         per_record = stats.interference(self.update_interference, self.update_Q, self.P)
-        return self.per_step(per_record, steps.component_present(self.record_role_norm)[:, :, None])
+        return np.where(steps.component_present(self.record_role_norm)[:, :, None], per_record, np.nan)
+
+    @cached_property
+    def role_interference(self) -> np.ndarray:
+        """(T, R + 2, R) :attr:`record_interference`, mean over each step's records."""
+        return self.per_step(self.record_interference)
 
     @cached_property
     def accuracy(self) -> pd.Series:

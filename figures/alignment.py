@@ -83,7 +83,7 @@ def _over_time(s, cos, pairs, window: int, size: str, vmax: float | None) -> Fig
                 ax.axhline(i, color="white", linewidth=1.5)
         ax.set_xlabel("training step")
         ax.set_ylabel("agent pair")
-        ax.set_title(data.title(s).replace("\n", " · ") + (f" · {window}-step mean" if window > 1 else ""),
+        ax.set_title(data.title(s).replace("\n", " · ") + data.smoothed(window),
                      fontsize=7)
         cb = fig.colorbar(mesh, ax=ax, fraction=0.05, pad=0.01, aspect=12 if len(pairs) > 4 else 6)
         cb.set_label("cosine")

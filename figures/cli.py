@@ -26,6 +26,7 @@ from gradscope.paths import atomic_output  # noqa: E402
 
 KINDS = ("cliffs", "ip-vs-sp", "shares", "alignment", "sweep", "updates")
 SINGLE = ("shares", "alignment", "updates")
+SMOOTHED = ("cliffs", "shares", "updates")  # the kinds with gradient curves that --smooth smooths
 
 
 def _load(run_files: list[str]) -> list:
@@ -77,15 +78,15 @@ def make_figure(kind: str, series: list, args: argparse.Namespace):
     from gradscope.figures.updates import updates_figure
 
     if kind == "cliffs":
-        return cliff_figure(series, size=args.size, smooth=args.smooth)
+        return cliff_figure(series, size=args.size, smooth=args.smooth or 1)
     if kind == "ip-vs-sp":
         return ip_vs_sp_figure(series, size=args.size)
     if kind == "shares":
-        return shares_figure(series[0], size=args.size, smooth=args.smooth)
+        return shares_figure(series[0], size=args.size, smooth=args.smooth or 1)
     if kind == "alignment":
         return alignment_figure(series[0], steps=_steps(args.steps), window=args.window or 1, size=args.size)
     if kind == "updates":
-        return updates_figure(series[0], size=args.size, smooth=args.smooth)
+        return updates_figure(series[0], size=args.size, smooth=args.smooth or 1)
     return sweep_figure(series, metric=args.metric or "final", size=args.size)
 
 
@@ -100,6 +101,9 @@ def plot_main(args: argparse.Namespace) -> int:
         raise ConfigError("--metric applies to plot sweep only")
     if args.window is not None and kind != "alignment":
         raise ConfigError("--window applies to plot alignment only")
+    if args.smooth is not None and kind not in SMOOTHED:
+        raise ConfigError(f"--smooth applies to plot {', '.join(SMOOTHED)} only"
+                          + (" (alignment: --window)" if kind == "alignment" else ""))
     run_files = expand_paths(args.runs)
     if kind in SINGLE and Path(args.runs[0]).is_dir():
         _one_run_in(args.runs[0], run_files, kind)

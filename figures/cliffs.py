@@ -53,7 +53,8 @@ def cliff_figure(runs: RunLike | Iterable[RunLike], *, size: str = "two", smooth
 
     Args:
         size: ``"one"`` or ``"two"`` (paper columns; see ``figures.style.WIDTHS``).
-        smooth: centred rolling mean over this many steps for the gradient panels (1 = raw).
+        smooth: centred rolling mean over this many logged steps for the gradient panels (1 = raw;
+            ``data.smooth``: a gap stays a gap).
         height: inches (default: 1.05 per panel plus room for titles and the legend).
     """
     series = data.as_series_list(runs)
@@ -81,8 +82,8 @@ def cliff_figure(runs: RunLike | Iterable[RunLike], *, size: str = "two", smooth
                 _mark_leads(col, cliff)
             if len(s.accuracy):
                 top_acc = max(top_acc, float(s.accuracy.max()))
-            col["accuracy"].set_title(data.title(s, width=chars) + (f" · gradients: {smooth}-step mean" if smooth > 1
-                                                                   else ""), fontsize=TITLE_PT)
+            col["accuracy"].set_title(data.title(s, width=chars) + data.smoothed(smooth, "gradients: "),
+                                      fontsize=TITLE_PT)
         _finish(fig, axes, series, end, top_acc)
     return fig
 
@@ -126,7 +127,7 @@ def _finish(fig: Figure, axes: np.ndarray, series: list, end: int, top_acc: floa
             else:
                 ax_row[0].set_ylim(lo, hi + 0.2 * (hi - lo))
     panels.log_ticks(row["grad_norm"][0])
-    _af_axis(row["coherence"][-1], series)
+    _af_axis(row["coherence"], series)
     handles, labels = panels.collect_legend(axes.ravel())
     if any(l.get_gid() == "lead" for ax in axes.ravel() for l in ax.lines):
         handles.append(Line2D([], [], linestyle="none", marker="v", markersize=5, color=NEUTRAL,
@@ -150,12 +151,14 @@ def _share_limits(ax_row: np.ndarray) -> None:
     ax_row[0].set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
 
 
-def _af_axis(ax, series: list) -> None:
-    """A right axis in amplification-factor units when every run's multi-agent roles have one n."""
+def _af_axis(ax_row: np.ndarray, series: list) -> None:
+    """A right axis in amplification-factor units, on the rightmost coherence panel with data, when
+    every run's multi-agent roles have one n."""
     ns = {int(n) for s in series for n in s.n_agents if n >= 2}
-    if len(ns) != 1 or is_no_data(ax):
+    drawn = [ax for ax in ax_row if not is_no_data(ax)]
+    if len(ns) != 1 or not drawn:
         return
-    n = ns.pop()
+    n, ax = ns.pop(), drawn[-1]
     sec = ax.secondary_yaxis("right", functions=(lambda c: c * n, lambda a: a / n))
     sec.set_label("coherence-af")
     sec.set_ylabel(f"AF (n = {n})")

@@ -192,12 +192,21 @@ def spans(steps: np.ndarray, all_steps: np.ndarray) -> list[tuple[float, float]]
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
-    """Centred rolling mean over ``window`` steps (NaN-aware; 1 = unchanged), along axis 0."""
+    """Centred rolling mean along axis 0 over ``window`` consecutive rows — a run's logged training
+    steps — of the finite values among them (1 = unchanged); a NaN value stays NaN, so a gap (e.g. a
+    zero-gradient span) stays a gap."""
     if window <= 1 or len(values) == 0:
         return values
     import pandas as pd
 
-    return pd.DataFrame(values).rolling(window, center=True, min_periods=1).mean().to_numpy().reshape(values.shape)
+    flat = np.asarray(values, dtype=float).reshape(len(values), -1)
+    rolled = pd.DataFrame(flat).rolling(window, center=True, min_periods=1).mean().to_numpy()
+    return np.where(np.isnan(flat), np.nan, rolled).reshape(values.shape)
+
+
+def smoothed(window: int, of: str = "") -> str:
+    """What :func:`smooth` did, for a title: ``" · <of>mean of 5 logged steps"`` ("" at 1)."""
+    return f" · {of}mean of {window} logged steps" if window > 1 else ""
 
 
 def check_same(series: Sequence[RunSeries], keys: Sequence[str], what: str, hint: str) -> None:

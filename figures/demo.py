@@ -20,9 +20,9 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
     Writes ``cliffs`` (every run, one column each), ``ip_vs_sp`` (for runs that differ only in their
     policy, when both policies are there; ``ip_vs_sp_2``... for further such groups),
     ``<run>_shares`` for each SP run, ``<run>_alignment`` for each run, ``<run>_updates`` for each run
-    with update attribution, and the summary table
-    ``summary.md``. A figure that does not apply (e.g. shares of an IP run) is skipped and
-    ``on_skip`` is told why; unreadable run files raise RunFileError. Returns the paths written.
+    with update attribution, and the summary table ``summary.md``. A figure that does not apply
+    (e.g. shares of an IP run, updates of a run without update attribution) is skipped and
+    ``on_skip`` is told why, in one line per figure; unreadable run files raise RunFileError. Returns the paths written.
     """
     from gradscope.figures.alignment import alignment_figure
     from gradscope.figures.cliffs import cliff_figure
@@ -46,11 +46,9 @@ def demo_figures(paths: Sequence[str | Path], out_dir: str | Path | None = None,
     for i, group in enumerate(pairs):
         attempt("ip_vs_sp" + (f"_{i + 1}" if i else ""), lambda g=group: ip_vs_sp_figure(g))
     for s in series:
-        if s.shared_sets:
-            attempt(f"{data.stem(s)}_shares", lambda s=s: shares_figure(s))
+        attempt(f"{data.stem(s)}_shares", lambda s=s: shares_figure(s))
         attempt(f"{data.stem(s)}_alignment", lambda s=s: alignment_figure(s))
-        if s.has_updates:
-            attempt(f"{data.stem(s)}_updates", lambda s=s: updates_figure(s))
+        attempt(f"{data.stem(s)}_updates", lambda s=s: updates_figure(s))
     table = out / "summary.md"
     table.write_text(format_table(summary_table(series), "md"))
     written.append(table)

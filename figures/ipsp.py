@@ -2,10 +2,11 @@
 
 One panel per policy (IP left, SP right, then any other sharing map), same y scale. With one run
 per policy: its curve. With several (seeds): each seed as a thin line, their mean as a thick one
-and a band — ±1 SD with three or more seeds, the min–max range with two. Marked on the mean:
-the peak (★) and the final value (○), both with their values in the legend; the base model (the
-step-0 evaluation, mean over the runs) as a dashed line; where the cliff detector found a terminal
-cliff in a seed, its onset as a red ▼ on that seed's curve.
+and a band — ±1 SD with three or more seeds, the min–max range with two — at the steps where every
+seed has an evaluation (a seed that ends early ends the mean; runs of a policy without such a step
+raise ConfigError). Marked on the mean: the peak (★) and the final value (○), both with their values
+in the legend; the base model (each run's first evaluation, mean over the runs) as a dashed line;
+where the cliff detector found a terminal cliff in a seed, its onset as a red ▼ on that seed's curve.
 
 The runs must be of one workflow, task and model: anything else is not an IP-vs-SP comparison
 (``gradscope plot sweep`` compares across them) and raises ConfigError, as does a run without
@@ -69,18 +70,23 @@ def _panel(ax, policy: str, runs: list, legend_cols: int = 2) -> float:
     ax.set_label(f"accuracy:{policy}")
     color = policy_color(policy)
     curves = pd.concat({i: s.accuracy for i, s in enumerate(runs)}, axis=1).sort_index()
-    steps = curves.index.to_numpy()
-    mean = curves.mean(axis=1, skipna=True).to_numpy(dtype=float)
+    common = curves.dropna()  # the steps where every run has an evaluation: a mean of all n, never of fewer
     n = len(runs)
+    if common.empty:
+        raise ConfigError(f"ip-vs-sp: the {labels.policy_label(policy)} runs "
+                          f"({', '.join(Path(s.name).name or 'run' for s in runs)}) have no evaluation step in "
+                          "common; their mean needs every run evaluated at the same steps")
+    steps = common.index.to_numpy()
+    mean = common.mean(axis=1).to_numpy(dtype=float)
     if n > 1:
         for i, s in enumerate(runs):
             ax.plot(s.accuracy.index, s.accuracy.to_numpy(dtype=float), color=color, alpha=0.35, linewidth=0.6,
                     label="seeds" if i == 0 else "_seed", gid="seed")
         if n >= 3:
-            sd = curves.std(axis=1, ddof=1, skipna=True).to_numpy(dtype=float)
+            sd = common.std(axis=1, ddof=1).to_numpy(dtype=float)
             lo, hi, band = mean - sd, mean + sd, "±1 SD"
         else:
-            lo, hi, band = curves.min(axis=1).to_numpy(float), curves.max(axis=1).to_numpy(float), "range"
+            lo, hi, band = common.min(axis=1).to_numpy(float), common.max(axis=1).to_numpy(float), "range"
         ax.fill_between(steps, lo, hi, color=color, alpha=0.18, linewidth=0, label=f"{band} ({n} runs)", gid="band")
     ax.plot(steps, mean, color=color, linewidth=1.5, marker="o", markersize=2.2,
             label=f"mean of {n}" if n > 1 else "accuracy", gid="mean")
@@ -90,7 +96,7 @@ def _panel(ax, policy: str, runs: list, legend_cols: int = 2) -> float:
     ax.plot([steps[k]], [mean[k]], linestyle="none", marker="*", markersize=8, color="#E69F00",
             markeredgecolor=ACCURACY_COLOR, markeredgewidth=0.4, zorder=5, gid="peak",
             label=f"peak {mean[k]:.3f} (step {steps[k]})")
-    last = int(np.flatnonzero(np.isfinite(mean))[-1])
+    last = len(mean) - 1
     ax.plot([steps[last]], [mean[last]], linestyle="none", marker="o", markersize=4.5, markerfacecolor="white",
             markeredgecolor=ACCURACY_COLOR, markeredgewidth=0.8, zorder=5, gid="final",
             label=f"final {mean[last]:.3f} (Δ {mean[last] - base:+.3f})")

@@ -12,7 +12,8 @@ Reading 2 against 3 tells *why* a role dominates: more tokens, or a bigger gradi
 (the role-capture detector's ``explained_by``). The capture finding's onset (when
 ``analyses.capture.detect_capture`` found one) and the cliff onset are drawn as vertical lines.
 
-A run without a shared set (IP) or without gradient records raises ConfigError: there is nothing
+A run without a shared set (IP, or no record where two roles of one set have a finite, non-zero
+gradient) or without gradient records raises ConfigError: there is nothing
 to split.
 """
 from __future__ import annotations
@@ -38,8 +39,10 @@ def shares_figure(run: RunLike, *, size: str = "two", smooth: int = 1, height: f
     if not len(s.gram):
         raise ConfigError(f"shares: {name} has no gradient records")
     if not s.shared_sets:
-        raise ConfigError(f"shares: {name} has no parameter set shared by two or more roles (an IP run: "
-                          "each role's update is its own); plot cliffs shows its per-role norms")
+        why = ("an IP run: each role's update is its own" if data.policy_of(s) == "ip" else
+               "no record in which two or more roles of one parameter set have a finite, non-zero gradient")
+        raise ConfigError(f"shares: {name} has no parameter set shared by two or more roles ({why}); "
+                          "plot cliffs shows its per-role norms")
     sets = list(s.shared_sets)
     cliff = data.cliff_of(s)
     captures = detect_capture(s) if len(s.steps) >= 10 else []
@@ -68,7 +71,7 @@ def shares_figure(run: RunLike, *, size: str = "two", smooth: int = 1, height: f
                                    label=f"capture by {f.role} (step {f.onset}; {f.evidence.get('explained_by')})")
             for ax in col.values():
                 panels.mark_cliff(ax, cliff, data.last_step(s), shade=False)
-            title = data.title(s) + (f" · {smooth}-step mean" if smooth > 1 else "")
+            title = data.title(s) + data.smoothed(smooth)
             if len(sets) > 1:
                 title += f"\nparameter set '{policy}'"
             col["shares"].set_title(title, fontsize=7)

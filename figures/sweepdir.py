@@ -4,8 +4,9 @@ A folder written by ``gradscope sweep`` lists its cells in ``cells.json`` (name,
 values); :func:`folder_runs` returns the run files of those cells that finished (closed by their
 writer at the steps they were asked for, or stopped by an alert:
 :class:`gradscope.runfile.progress.RunProgress`), so every table and figure holds exactly the cells
-run — not stale files, not runs still in progress, not runs a SIGTERM closed early. A folder
-without ``cells.json`` counts every ``*.h5`` in it and in ``runs/``.
+run — not stale files, not runs still in progress, not runs a SIGTERM closed early (each file left
+out, an unreadable one included, is named in a note with the reason). A folder without
+``cells.json`` counts every ``*.h5`` in it and in ``runs/``.
 
 :func:`write_report` writes, from those runs:
 
@@ -38,8 +39,11 @@ MANIFEST = "cells.json"
 MAX_CLIFF_COLUMNS = 4
 
 
-def folder_runs(folder: str | Path, *, finished_only: bool = True) -> list[Path]:
-    """The run files of a sweep folder (see the module doc), in the sweep's cell order."""
+def folder_runs(folder: str | Path, *, finished_only: bool = True,
+                on_skip: Callable[[str], None] | None = None) -> list[Path]:
+    """The run files of a sweep folder (see the module doc), in the sweep's cell order; ``on_skip``
+    (if given) is told of each run file left out and why, one line each (unreadable, not closed,
+    closed before its steps), and of the cells without a run file yet, in one line."""
     folder = Path(folder)
     manifest = folder / MANIFEST
     if manifest.is_file():
@@ -51,12 +55,15 @@ def folder_runs(folder: str | Path, *, finished_only: bool = True) -> list[Path]
     else:
         paths = sorted(folder.glob("*.h5")) + sorted((folder / "runs").glob("*.h5"))
     out = []
-    for p in paths:
-        if not p.is_file():
-            continue
-        if finished_only and not run_progress(p).finished():
-            continue
-        out.append(p)
+    missing = [p for p in paths if not p.is_file()]
+    for p in (p for p in paths if p.is_file()):
+        why = run_progress(p).unfinished() if finished_only else None
+        if why is None:
+            out.append(p)
+        elif on_skip is not None:
+            on_skip(f"{p} skipped: {why}")
+    if missing and on_skip is not None:
+        on_skip(f"{folder}: {len(missing)} of the {len(paths)} cells of {MANIFEST} have no run file yet")
     return out
 
 
@@ -65,7 +72,7 @@ def expand_paths(paths: list[str]) -> list[str]:
     out: list[str] = []
     for p in paths:
         if Path(p).is_dir():
-            runs = folder_runs(p)
+            runs = folder_runs(p, on_skip=_note)
             if not runs:
                 raise ConfigError(f"{p}: a folder without finished run files")
             out += [str(r) for r in runs]
@@ -95,7 +102,7 @@ def write_report(folder: str | Path, on_skip: Callable[[str], None] = _note) -> 
     from gradscope.figures.table import format_table, seed_table, summary_table
 
     folder = Path(folder)
-    paths = folder_runs(folder)
+    paths = folder_runs(folder, on_skip=on_skip)
     if not paths:
         raise ConfigError(f"{folder}: no finished runs to report on")
     series = [data.load(p)[0] for p in paths]

@@ -7,9 +7,11 @@ For one run with update attribution (``gradscope train --probe-updates role``, o
    normalises each adapter's step, so a role with small gradients can still take full-size steps);
 2. for each parameter set shared by two or more roles: the signed gradient share ``<g_r, g>/‖g‖²``
    (solid) and update share ``<Δθ_r, Δθ>/‖Δθ‖²`` (dashed), with the capture threshold (0.7);
-3. the interference matrix ``<Δθ_a, g_s>`` averaged over the run: row a is a component of the step
-   (a role's part, the unattributed part, weight decay), column s a role's loss gradient; negative
-   (blue) = a's part of the update lowers s's loss to first order, positive (red) = raises it.
+3. the interference matrix ``<Δθ_a, g_s>``, mean over the run's records (a role's row over the
+   records where the role has a gradient; a step weighs by its number of records): row a is a
+   component of the step (a role's part, the unattributed part, weight decay), column s a role's
+   loss gradient; negative (blue) = a's part of the update lowers s's loss to first order, positive
+   (red) = raises it.
 
 A run without update attribution raises ConfigError.
 """
@@ -37,7 +39,8 @@ def updates_figure(run: RunLike, *, size: str = "two", smooth: int = 1) -> Figur
         raise ConfigError(f"updates: {name} has no update attribution (train with --probe-updates role, or attach "
                           "the optimizer to the probe: docs/probe.md)")
     if not len(s.gram) or not np.isfinite(s.role_update_norm).any():
-        raise ConfigError(f"updates: {name} has no record with an update")
+        raise ConfigError(f"updates: {name} has no record with an update (every record was logged without one; "
+                          "train with --probe-updates role, or attach the optimizer to the probe: docs/probe.md)")
     sets = list(s.shared_sets)
     rows = 1 + len(sets)
     mk = panels.markers_for(len(s.steps))
@@ -54,7 +57,7 @@ def updates_figure(run: RunLike, *, size: str = "two", smooth: int = 1) -> Figur
             panels.line(ax, s.steps, upd[:, r], color=role_color(role), linestyle=UPDATE, label=f"{role} update", **mk)
         ax.set_ylim(-0.03, 1.03)
         ax.set_ylabel("mass share")
-        ax.set_title(data.title(s).replace("\n", " · ") + (f" · {smooth}-step mean" if smooth > 1 else ""),
+        ax.set_title(data.title(s).replace("\n", " · ") + data.smoothed(smooth),
                      fontsize=7)
         for ax, policy in zip(series_axes[1:], sets):
             ax.set_label(f"shares:{policy}")
@@ -77,9 +80,10 @@ def updates_figure(run: RunLike, *, size: str = "two", smooth: int = 1) -> Figur
 
 
 def _interference(ax, s) -> None:
-    """The run's mean interference matrix, components × roles, annotated."""
+    """The run's interference matrix, components × roles, mean over records (each row over the
+    records where its component counts: ``RunSeries.record_interference``), annotated."""
     ax.set_label("interference")
-    matrix = s.role_interference
+    matrix = s.record_interference
     ok = np.isfinite(matrix)
     count = ok.sum(axis=0)
     mean = np.divide(np.where(ok, matrix, 0.0).sum(axis=0), count, out=np.full(matrix.shape[1:], np.nan),

@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="png", help="comma-separated: png,pdf,svg")
     p.add_argument("--size", choices=("one", "two"), default="two", help="paper width: one column or two")
     p.add_argument("--dpi", type=DPI.arg, default=300, help=f"PNG resolution, {DPI.lo:d} to {DPI.hi:d}")
-    p.add_argument("--smooth", type=COUNT.arg, default=1, help="rolling mean over N steps for gradient curves")
+    p.add_argument("--smooth", type=COUNT.arg, default=None,
+                   help="cliffs, shares, updates: centred rolling mean over N logged steps of the gradient curves "
+                        "(default: 1, raw)")
     p.add_argument("--steps", default=None,
                    help="alignment: cosine matrices at these steps, e.g. 10,50,100 (default: a heatmap over all steps)")
     p.add_argument("--window", type=COUNT.arg, default=None, help="alignment: average over this many steps (default: 1)")

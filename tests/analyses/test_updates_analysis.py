@@ -76,6 +76,28 @@ def test_updates_figure_and_command(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "fig.png")
 
 
+def test_interference_matrix_is_the_mean_over_records(tmp_path):
+    """Step 1 has three records, step 2 one with a 10× larger update: the figure's cell is the mean of
+    the four records (docs/figures.md), not the mean of the two per-step means."""
+    from gradscope.runfile import RunMeta, RunWriter
+    from tests.analyses.update_runs import AGENTS, ROLES, components
+
+    e = np.eye(16)
+    meta = RunMeta(agents=AGENTS, agent_roles=ROLES, policies=["shared"], update_unit="role",
+                   config={"workflow": "voting", "task": "math", "model": "testbed", "policy": "sp"})
+    G = np.stack([0.5 * e[0] / 3] * 3 + [0.5 * e[1]])
+    values = []
+    with RunWriter(tmp_path / "r.h5", meta) as w:
+        for step, scale in ((1, 1e-3), (1, 1e-3), (1, 1e-3), (2, 1e-2)):
+            D = scale * components(0.6)
+            values.append(float(-(D @ G.T)[0, :3].sum()))  # <Δθ_voter, g_voter>
+            update = type("U", (), dict(gram=D @ D.T, interference=-(D @ G.T), grad_scale=1.0, residual=0.0))
+            w.log_step(step, G @ G.T, [30, 30, 30, 10], policy="shared", update=update)
+    heat = next(ax for ax in updates_figure(str(tmp_path / "r.h5")).axes if ax.get_label() == "interference")
+    cell = next(t for t in heat.texts if t.get_position() == (0, 0)).get_text()
+    assert cell == f"{np.mean(values):.2g}" != f"{(values[0] + values[3]) / 2:.2g}"
+
+
 def test_updates_figure_needs_update_attribution(tmp_path, capsys):
     from tests.figures.conftest import write_run
 

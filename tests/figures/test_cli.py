@@ -87,6 +87,9 @@ def test_plot_panels_without_data_still_draw(capsys, runs, tmp_path):
     (["plot", "sweep", "{sp_noevals}"], "none of the runs has accuracy evaluations"),
     (["table", "{sp_ok}", "{tmp}/missing.h5"], "missing.h5: no such file"),
     (["plot", "cliffs", "{sp_ok}", "--metric", "peak"], "--metric applies to plot sweep only"),
+    (["plot", "ip-vs-sp", "{ip_ok}", "{sp_ok}", "--smooth", "3"], "--smooth applies to plot cliffs, shares, updates"),
+    (["plot", "sweep", "{ip_ok}", "--smooth", "3"], "--smooth applies to plot cliffs, shares, updates only"),
+    (["plot", "alignment", "{sp_ok}", "--smooth", "3"], "only (alignment: --window)"),
     (["table", "{sp_ok}", "{sp_cliff}", "--over", "sede"], "--over sede: no run has a setting of that name"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, runs, tmp_path, argv, message):
@@ -113,6 +116,33 @@ def test_single_run_figure_refuses_a_folder_of_several_runs(capsys, runs, tmp_pa
     assert f"folder {folder} holds 2 finished runs" in err[0]
     assert "pass one run file" in err[0] and f"gradscope plot sweep {folder}" in err[0]
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_folder_names_every_run_file_it_leaves_out(capsys, runs, tmp_path):
+    """A closed run whose loop logged gradient records but no metrics rows is finished at its last
+    record's step; a run closed early and an unreadable *.h5 are left out with a note each."""
+    import shutil
+
+    import numpy as np
+
+    from gradscope.runfile import RunMeta, RunWriter
+
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    shutil.copy(runs["sp_ok"], folder / "a_done.h5")
+    for name, steps in (("b_records_only", 5), ("c_early", 3)):
+        meta = RunMeta(agents=["v0", "v1"], agent_roles=["voter", "voter"], policies=["shared"],
+                       config={"workflow": "voting", "task": "math", "model": "testbed", "policy": "sp", "steps": 5})
+        with RunWriter(folder / f"{name}.h5", meta) as w:
+            for step in range(1, steps + 1):
+                w.log_step(step, np.eye(2), [5, 5], policy="shared")
+            w.log_eval(steps, {"accuracy": 0.5})
+    (folder / "d_bad.h5").write_bytes(b"not hdf5")
+    code, out, err = run(capsys, "table", folder, "--format", "csv")
+    assert code == 0
+    assert [line.split(",")[0] for line in out[1:]] == ["a_done.h5", "b_records_only.h5"]
+    assert err[0] == f"gradscope: note: {folder / 'c_early.h5'} skipped: closed at step 3 of 5"
+    assert err[1].startswith(f"gradscope: note: {folder / 'd_bad.h5'} skipped: unreadable (") and len(err) == 2
 
 
 @pytest.mark.parametrize("name", ["sweep", "sweep.v2"])
@@ -181,3 +211,14 @@ def test_demo_figures(runs, tmp_path, capsys):
     paths = demo_figures([runs["evals_only"]], tmp_path / "x", on_skip=skipped.append)
     assert sorted(p.name for p in paths) == ["cliffs.png", "summary.md"]
     assert any("evals_only_alignment not drawn" in s for s in skipped)
+
+
+def test_demo_figures_note_every_figure_they_skip(runs, tmp_path):
+    """Shares of an IP run and updates of a run without update attribution: a note each, not silence."""
+    from gradscope.figures import demo_figures
+
+    skipped: list[str] = []
+    demo_figures([runs["ip_ok"], runs["sp_ok"]], tmp_path, on_skip=skipped.append)
+    assert [s.split(":")[0] for s in skipped] == ["ip_ok_shares not drawn", "ip_ok_updates not drawn",
+                                                  "sp_ok_updates not drawn"]
+    assert "an IP run" in skipped[0] and all("--probe-updates" in s for s in skipped[1:])

@@ -9,6 +9,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+from dataclasses import replace  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
@@ -159,6 +161,59 @@ def test_cliffs_roles_without_peers(runs):
     assert {ln.get_label() for ln in norm.lines} >= {"generator", "evaluator"}
 
 
+def test_af_axis_does_not_depend_on_column_order(runs):
+    """The AF right axis is drawn whenever every run's multi-agent roles have one n (3 voters here;
+    Eval-Opt has none), on the rightmost coherence panel with data, whichever column comes last."""
+    for order in (["sp_ok", "evalopt_ip"], ["evalopt_ip", "sp_ok"]):
+        fig = cliff_figure([runs[n] for n in order])
+        coh = panels(fig, "coherence")
+        af = [(i, c) for i, ax in enumerate(coh) for c in ax.child_axes if c.get_label() == "coherence-af"]
+        assert [(i, c.get_ylabel()) for i, c in af] == [(order.index("sp_ok"), "AF (n = 3)")], order
+
+
+def test_smoothing_keeps_gaps(tmp_path):
+    """``--smooth``: zero-gradient steps (hatched, NaN) stay gaps in the smoothed curves, and the
+    title says what the window counts."""
+    from gradscope.runfile import RunMeta, RunWriter
+
+    rng = np.random.default_rng(0)
+    meta = RunMeta(agents=["v0", "v1", "a"], agent_roles=["voter", "voter", "aggregator"], policies=["shared"],
+                   config={"workflow": "voting", "task": "math", "model": "testbed", "policy": "sp"})
+    with RunWriter(tmp_path / "gap.h5", meta) as w:
+        for step in range(1, 21):
+            G = np.zeros((3, 4)) if 8 <= step <= 12 else rng.normal(size=(3, 4))
+            w.log_step(step, G @ G.T, [5, 5, 5], policy="shared")
+    fig = cliff_figure(tmp_path / "gap.h5", smooth=5)
+    gap = np.arange(8, 13)
+    for name in ("grad_norm", "coherence", "alignment"):
+        for ln in panels(fig, name)[0].lines:
+            x, y = np.asarray(ln.get_xdata(), float), np.asarray(ln.get_ydata(), float)
+            if len(x) == 20:
+                assert np.isnan(y[np.isin(x, gap)]).all() and np.isfinite(y[~np.isin(x, gap)]).any(), (name, ln)
+    assert "gradients: mean of 5 logged steps" in panels(fig, "accuracy")[0].get_title()
+    np.testing.assert_allclose(data.smooth(np.array([1.0, 3.0, np.nan, np.nan, 4.0, 6.0]), 3),
+                               [2.0, 2.0, np.nan, np.nan, 5.0, 5.0])
+
+
+def test_refusals_say_what_the_run_lacks(tmp_path):
+    """An SP run whose records are all zero is not called an IP run by ``shares``; a run with update
+    attribution but no record holding an update is pointed at ``--probe-updates`` by ``updates``."""
+    from gradscope.figures.updates import updates_figure
+    from gradscope.runfile import RunMeta, RunWriter
+
+    meta = RunMeta(agents=["v0", "v1", "a"], agent_roles=["voter", "voter", "aggregator"], policies=["shared"],
+                   config={"workflow": "voting", "task": "math", "model": "testbed", "policy": "sp"},
+                   update_unit="role")
+    with RunWriter(tmp_path / "zero.h5", meta) as w:
+        for step in (1, 2):
+            w.log_step(step, np.zeros((3, 3)), [5, 5, 5], policy="shared")
+    with pytest.raises(ConfigError, match="no record in which two or more roles") as info:
+        shares_figure(tmp_path / "zero.h5")
+    assert "IP" not in str(info.value)
+    with pytest.raises(ConfigError, match="no record with an update .*--probe-updates"):
+        updates_figure(tmp_path / "zero.h5")
+
+
 # ------------------------------------------------------------------ ip vs sp
 def test_ip_vs_sp_with_seeds(runs):
     fig = ip_vs_sp_figure([runs["ip_ok"], runs["ip_ok2"], runs["sp_ok"], runs["sp_ok2"], runs["sp_ok3"]])
@@ -184,6 +239,30 @@ def test_ip_vs_sp_marks_cliffs(runs):
     onset = next(ln for ln in ip.lines if ln.get_gid() == "cliff-onset")
     assert onset.get_xdata()[0] == data.cliff_of(data.as_series(runs["ip_cliff"])).onset
     assert not any(ln.get_gid() == "cliff-onset" for ln in sp.lines)
+
+
+def test_ip_vs_sp_mean_is_over_every_seed(runs, tmp_path):
+    """A seed ending at step 20 (of 40) ends the mean there, and seeds evaluated every 2 and every 3
+    steps meet only at multiples of 6: 'mean of 2' is never one seed's value."""
+    from tests.figures.conftest import write_run
+
+    short = write_run(tmp_path / "ip_short.h5", policy="ip", steps=20, seed=3)
+    odd = write_run(tmp_path / "ip_odd.h5", policy="ip", steps=40, seed=4, eval_every=3)
+    for other, steps in ((short, list(range(0, 21, 2))), (odd, list(range(0, 37, 6)))):
+        fig = ip_vs_sp_figure([runs["ip_ok"], other, runs["sp_ok"]])
+        ip = panels(fig, "accuracy:ip")[0]
+        a, b = (data.as_series(r).accuracy for r in (runs["ip_ok"], other))
+        mean = next(ln for ln in ip.lines if ln.get_gid() == "mean")
+        assert list(mean.get_xdata()) == steps
+        np.testing.assert_allclose(mean.get_ydata(), [(a[t] + b[t]) / 2 for t in steps])
+        final = next(ln for ln in ip.lines if ln.get_gid() == "final")
+        assert final.get_xdata()[0] == steps[-1]
+        band = next(c for c in ip.collections if c.get_gid() == "band")
+        assert band.get_paths()[0].vertices[:, 0].max() == steps[-1]
+    a, b = data.as_series(runs["ip_ok"]), data.as_series(odd)
+    disjoint = [replace(a, evals=a.evals.loc[[2, 4]]), replace(b, evals=b.evals.loc[[3, 9]]), runs["sp_ok"]]
+    with pytest.raises(ConfigError, match="no evaluation step in common"):
+        ip_vs_sp_figure(disjoint)
 
 
 @pytest.mark.parametrize("names, message", [
