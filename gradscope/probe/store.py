@@ -40,9 +40,12 @@ def each_squared_norm(tensors: Iterable[tuple[int, torch.Tensor]]) -> dict[int, 
     """``{i: ‖t‖²}`` of ``(i, t)`` pairs, reduced in float64 (no underflow of fp32 squares), with one
     transfer to the host per device rather than one per tensor (each a device sync on a GPU)."""
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, t in tensors:
-        by_device.setdefault(t.device, []).append((i, t))
     out: dict[int, float] = {}
+    for i, t in tensors:
+        if type(t) is torch.Tensor:
+            by_device.setdefault(t.device, []).append((i, t))
+        else:  # a tensor subclass (FSDP2's DTensor gradients): reduced as it defines, one read each
+            out[i] = float(t.double().square().sum())
     for pairs in by_device.values():
         norms = torch._foreach_norm([t for _, t in pairs], 2, dtype=torch.float64)  # one call for the list
         out.update(zip((i for i, _ in pairs), torch.stack(norms).square().tolist()))
