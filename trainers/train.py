@@ -16,7 +16,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext, suppress
+from contextlib import ExitStack, closing, nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError, GradscopeWarning
 from gradscope.paths import kind_of
-from gradscope.integrations.sinks import SinkWriter, open_sink, parse_sinks, sink_module
+from gradscope.integrations.sinks import Sink, SinkWriter, check_sink, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter, open_run
@@ -76,8 +76,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     rules = collect_rules(cfg.alert, cfg.alerts, cfg.default_alerts)
     check_selectors(rules, list(workflow.agents), [workflow.agent_roles[a] for a in workflow.agents],
                     policy.adapters)
-    for name in parse_sinks(cfg.log_to):  # a missing extra before the run file exists
-        sink_module(name)
+    for name in parse_sinks(cfg.log_to):  # a missing extra or an unusable --log-dir before the run file exists
+        check_sink(name, log_folder(cfg) / name)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
     for name in PER_ROLE:
@@ -125,6 +125,11 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
             raise ConfigError(f"code tasks run generated programs, and {reason}; "
                               "pass --unsafe-sandbox to run them anyway (docs/sandbox.md)")
     return workflow, tasks, rules
+
+
+def log_folder(cfg: TrainConfig) -> Path:
+    """Where the ``--log-to`` dashboards write: ``--log-dir``, by default ``<out>.logs``."""
+    return Path(cfg.log_dir or f"{cfg.out}.logs")
 
 
 def check_checkpoints(cfg: TrainConfig, tasks: TaskSet) -> Checkpoint | None:
@@ -266,16 +271,20 @@ class Trainer:
             done = self.resume_from.step
             if dist.is_main:  # the rules' state (peaks, persistence, baselines) of the kept steps
                 catch_up(out, monitor, below_step=done + 1)
-        if not dist.is_main:
-            writer = NullWriter()
-        elif cfg.resume:  # keeps the rows the checkpoint covers (all of them: checked), drops the rest
-            writer = RunWriter.resume(out, keep_below_step=0 if done is None else done + 1,
-                                      config=self.stored_config())
-        else:
-            writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
-            clear_resume_points(ckpt_dir)  # an earlier run's, replaced with --overwrite
-        if dist.is_main and cfg.log_to:
-            writer = self._with_sinks(writer)
+        # the dashboards first: one that fails to open leaves the run file as it was (or not made)
+        with ExitStack() as opened:  # a failure until the run writer exists closes the dashboards open
+            sinks = self._open_sinks(opened) if dist.is_main else []
+            if not dist.is_main:
+                writer = NullWriter()
+            elif cfg.resume:  # keeps the rows the checkpoint covers (all of them: checked), drops the rest
+                writer = RunWriter.resume(out, keep_below_step=0 if done is None else done + 1,
+                                          config=self.stored_config())
+            else:
+                writer = RunWriter(out, self.meta(), overwrite=cfg.overwrite)
+                clear_resume_points(ckpt_dir)  # an earlier run's, replaced with --overwrite
+            opened.pop_all()  # from here the SinkWriter closes them
+        if sinks:
+            writer = SinkWriter(writer, sinks, writer.meta.agents, writer.meta.agent_roles)
         monitor.writer = writer if dist.is_main else None
         with writer:
             if done is None:
@@ -302,13 +311,11 @@ class Trainer:
                     break
         return out
 
-    def _with_sinks(self, writer: RunWriter) -> SinkWriter:
-        """The run writer, also sending to the ``--log-to`` dashboards under ``--log-dir`` (default <out>.logs)."""
-        folder = Path(self.cfg.log_dir or f"{self.cfg.out}.logs")
-        meta = writer.meta
-        sinks = [open_sink(name, folder / name, run_name=Path(self.cfg.out).stem, config=meta.config)
-                 for name in parse_sinks(self.cfg.log_to)]
-        return SinkWriter(writer, sinks, meta.agents, meta.agent_roles)
+    def _open_sinks(self, stack: ExitStack) -> list[Sink]:
+        """The ``--log-to`` dashboards, each in its folder under :func:`log_folder`, closed by ``stack``."""
+        folder, run_name, config = log_folder(self.cfg), Path(self.cfg.out).stem, self.stored_config()
+        return [stack.enter_context(closing(open_sink(name, folder / name, run_name=run_name, config=config)))
+                for name in parse_sinks(self.cfg.log_to)]
 
     def _after(self, step: int, monitor: Monitor, writer: RunWriter, ckpt_dir: Path, scheduled: bool) -> Alert | None:
         """End of a step on every rank: rank 0's alert requests are broadcast (one collective), an

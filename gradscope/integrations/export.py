@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradscope.errors import GradscopeError
-from gradscope.integrations.scalars import finite_items, scalar_name, step_scalars
+from gradscope.integrations.scalars import DashboardNames, finite_items, step_scalars
 from gradscope.integrations.sinks import EVENTS_TAG, FINDINGS_TAG, event_line, open_sink, parse_sinks
 from gradscope.runfile import open_run
 
@@ -31,17 +31,14 @@ def export_run(path: str | os.PathLike[str], to: str, dest: str | os.PathLike[st
     texts: dict[int, list[str]] = defaultdict(list)
     with open_run(path) as run:
         meta = run.meta
+        names = DashboardNames(meta.agents, meta.agent_roles)
         if run.n_steps:
             uniq, cols = step_scalars(run.gram, run.tokens, run.step, meta.agents, meta.agent_roles)
             for t, step in enumerate(uniq.tolist()):
                 scalars[step].update({name: values[t] for name, values in cols.items()})
-        statistics = set(cols) if run.n_steps else set()
         for table, prefix in ((run.metrics, ""), (run.evals, "eval/")):
             for step, name, value in zip(table["step"], table["name"], table["value"]):
-                tag = scalar_name(prefix + name)
-                if tag in statistics:  # a metric named like a statistic (TRL's grad_norm) never replaces it
-                    tag = scalar_name("metric/" + name)
-                scalars[int(step)][tag] = value
+                scalars[int(step)][names.metric(name, prefix)] = value
         events = run.events
         for step, kind, severity, message in zip(events["step"], events["kind"], events["severity"], events["message"]):
             texts[int(step)].append(event_line(kind, severity, message))

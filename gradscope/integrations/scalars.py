@@ -24,7 +24,9 @@ name                                       value (docs/metrics.md)
 ``gradscope/eval/<name>``                   an evaluation (``eval/accuracy``, ...)
 ========================================  ================================================
 
-Characters outside ``[A-Za-z0-9_./ -]`` in names become ``_`` (MLflow accepts no others).
+Characters outside ``[A-Za-z0-9_./ -]`` in names become ``_`` (MLflow accepts no others); two names
+that become one (agents ``a:1`` and ``a_1``) are a ConfigError (:class:`DashboardNames`). A metric
+named like a statistic (TRL's ``grad_norm``) is ``gradscope/metric/<name>``, never replacing it.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from gradscope import stats, steps
+from gradscope.errors import ConfigError
 
 PREFIX = "gradscope/"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_./ -]")
@@ -43,6 +46,32 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_./ -]")
 def scalar_name(name: str) -> str:
     """``gradscope/<name>`` with characters dashboards reject replaced by ``_``."""
     return PREFIX + _UNSAFE.sub("_", name)
+
+
+class DashboardNames:
+    """The dashboard names of one run's values, each the name of one source only: two names that
+    :func:`scalar_name` makes one are a ConfigError, never a value silently lost."""
+
+    def __init__(self, agents: Sequence[str], agent_roles: Sequence[str]) -> None:
+        self._source: dict[str, str] = {}
+        #: the statistics' names (of these agents and roles), which metrics never replace
+        self.statistics = {self.claim(tag, tag) for tag in (statistic_names(agents, agent_roles) if agents else [])}
+
+    def claim(self, source: str, tag: str | None = None) -> str:
+        """``tag`` (default ``scalar_name(source)``), now ``source``'s; ConfigError if another's."""
+        tag = scalar_name(source) if tag is None else tag
+        if self._source.setdefault(tag, source) != source:
+            raise ConfigError(f"{self._source[tag]!r} and {source!r} both become the dashboard name {tag!r} "
+                              f"(characters other than letters, digits and _ . / - space become _): rename one")
+        return tag
+
+    def metric(self, name: str, prefix: str = "") -> str:
+        """A run-file metric's dashboard name (an evaluation's with ``prefix="eval/"``):
+        ``gradscope/<prefix><name>``, or ``gradscope/metric/<name>`` where that is a statistic's."""
+        tag = scalar_name(prefix + name)
+        if tag in self.statistics:  # a metric named like a statistic (TRL's grad_norm) never replaces it
+            tag = scalar_name("metric/" + name)
+        return self.claim(prefix + name, tag)
 
 
 def step_scalars(gram: ArrayLike, tokens: ArrayLike, record_step: ArrayLike, agents: Sequence[str],
@@ -80,7 +109,15 @@ def step_scalars(gram: ArrayLike, tokens: ArrayLike, record_step: ArrayLike, age
                                  ("role_cos", stats.cosine(stats.role_gram(M, P)), roles, r_on)):
         for i, j in zip(*np.triu_indices(len(names), k=1)):
             cols[f"{name}/{names[i]}/{names[j]}"] = (cos[:, i, j], on[:, i] & on[:, j])
-    return uniq, {scalar_name(n): steps.step_mean(v, index, len(uniq), mask) for n, (v, mask) in cols.items()}
+    names = DashboardNames((), ())  # agents a:1 and a_1: an error, not one value lost
+    return uniq, {names.claim(n): steps.step_mean(v, index, len(uniq), mask) for n, (v, mask) in cols.items()}
+
+
+def statistic_names(agents: Sequence[str], agent_roles: Sequence[str]) -> list[str]:
+    """The dashboard names :func:`step_scalars` gives for these agents and roles (whatever the values)."""
+    K = len(agents)
+    with np.errstate(all="ignore"):
+        return list(step_scalars(np.zeros((1, K, K)), np.zeros((1, K)), [0], agents, agent_roles)[1])
 
 
 def finite_items(values: Mapping[str, float]) -> dict[str, float]:

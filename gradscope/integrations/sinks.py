@@ -10,14 +10,15 @@ from __future__ import annotations
 import importlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
 
-from gradscope.errors import ConfigError
-from gradscope.integrations.scalars import finite_items, scalar_name, step_scalars
+from gradscope.errors import ConfigError, GradscopeError
+from gradscope.integrations.scalars import DashboardNames, finite_items, step_scalars
 
 #: Sink name → (module under gradscope.integrations, the pip extra that installs its library).
 SINKS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -28,6 +29,9 @@ FINDINGS_TAG = "gradscope/findings"
 
 class Sink(ABC):
     """One dashboard run. Steps must be logged in non-decreasing order (W&B's rule)."""
+
+    #: the sink's name in --to/--log-to, for error messages
+    name = "sink"
 
     @abstractmethod
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
@@ -55,9 +59,30 @@ def open_sink(name: str, dest: str | os.PathLike[str], *, run_name: str, config:
     """A sink writing to ``dest`` (a folder; for mlflow also a tracking URI).
 
     Raises:
-        ConfigError: unknown sink, or its library is not installed (the message names the extra).
+        ConfigError: unknown sink, or its library is not installed (the message names the extra);
+        GradscopeError: ``dest`` cannot be written.
     """
-    return sink_module(name).open_sink(os.fspath(dest), run_name=run_name, config=dict(config))
+    try:
+        return sink_module(name).open_sink(os.fspath(dest), run_name=run_name, config=dict(config))
+    except OSError as exc:
+        raise GradscopeError(f"cannot write {name} output to {dest}: {exc.strerror or exc}") from None
+
+
+def check_sink(name: str, dest: str | os.PathLike[str]) -> None:
+    """What can be checked of sink ``name`` at ``dest`` before anything is written, creating nothing:
+    ConfigError for an unknown sink, a missing library or dependency (naming the extra), or a
+    ``dest`` that cannot become a folder."""
+    sink_module(name).check(os.fspath(dest))
+
+
+def check_folder(name: str, dest: str) -> None:
+    """ConfigError unless ``dest`` is a writable folder or can be created as one (nothing is created)."""
+    path = Path(dest).absolute()
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise ConfigError(f"cannot write {name} output to {dest}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {name} output to {dest}: {existing} is not writable")
 
 
 def sink_module(name: str) -> ModuleType:
@@ -93,13 +118,25 @@ class SinkWriter:
         self.sinks = list(sinks)
         self.agents, self.agent_roles = list(agents), list(agent_roles)
         self._records: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._names = DashboardNames(agents, agent_roles)  # the names export gives: one rule for both ways out
         self._closed = False
+
+    def _each(self, when: str, call: Callable[[Sink], object]) -> None:
+        """``call`` on every sink; a sink's failure is one line (the run file stays readable: the
+        error closes it on its way out)."""
+        for sink in self.sinks:
+            try:
+                call(sink)
+            except GradscopeError:
+                raise
+            except Exception as exc:  # a dashboard library's own error (disk full, a rejected value, ...)
+                raise GradscopeError(f"--log-to {sink.name} failed {when}: {type(exc).__name__}: "
+                                     f"{exc}") from exc
 
     def _send(self, step: int, values: Mapping[str, float]) -> None:
         values = finite_items(values)
         if values:
-            for sink in self.sinks:
-                sink.scalars(step, values)
+            self._each(f"at step {step}", lambda sink: sink.scalars(step, values))
 
     def _flush_records(self) -> None:
         if not self._records:
@@ -119,18 +156,17 @@ class SinkWriter:
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
         self.writer.log_metrics(step, values)
         self._flush_records()
-        self._send(step, {scalar_name(n): v for n, v in values.items()})
+        self._send(step, {self._names.metric(n): v for n, v in values.items()})
 
     def log_eval(self, step: int, values: Mapping[str, float]) -> None:
         self.writer.log_eval(step, values)
         self._flush_records()
-        self._send(step, {scalar_name(f"eval/{n}"): v for n, v in values.items()})
+        self._send(step, {self._names.metric(n, "eval/"): v for n, v in values.items()})
 
     def log_event(self, step: int, kind: str, message: str, severity: str = "info") -> None:
         self.writer.log_event(step, kind, message, severity)
         # no flush: an event between two records of a step (a probe warning) must not split the step
-        for sink in self.sinks:
-            sink.text(step, EVENTS_TAG, [event_line(kind, severity, message)])
+        self._each(f"at step {step}", lambda sink: sink.text(step, EVENTS_TAG, [event_line(kind, severity, message)]))
 
     def close(self) -> None:
         self.__exit__(None, None, None)
@@ -153,5 +189,4 @@ class SinkWriter:
             try:
                 self.writer.__exit__(exc_type, exc, tb)
             finally:
-                for sink in self.sinks:
-                    sink.close()
+                self._each("closing", lambda sink: sink.close())

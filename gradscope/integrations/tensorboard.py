@@ -11,10 +11,12 @@ from typing import Any
 import tensorboard  # noqa: F401  (fail here, with the package's name, when it is missing)
 from torch.utils.tensorboard import SummaryWriter
 
-from gradscope.integrations.sinks import Sink
+from gradscope.integrations.sinks import Sink, check_folder
 
 
 class TensorBoardSink(Sink):
+    name = "tensorboard"
+
     def __init__(self, logdir: str) -> None:
         self._writer = SummaryWriter(log_dir=logdir)
 
@@ -28,6 +30,11 @@ class TensorBoardSink(Sink):
 
     def close(self) -> None:
         self._writer.close()
+
+
+def check(dest: str) -> None:
+    """ConfigError unless ``dest`` can be the log directory (nothing is created)."""
+    check_folder("tensorboard", dest)
 
 
 def open_sink(dest: str, *, run_name: str, config: Mapping[str, Any]) -> TensorBoardSink:

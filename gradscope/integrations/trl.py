@@ -34,7 +34,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 from trl import GRPOTrainer
 
 from gradscope.errors import ProbeError, RunFileError
@@ -170,11 +170,16 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         return optimizer
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        if self._run_file is None or not self.accelerator.is_main_process:
+        if self._run_file is None:
             return super().train(*args, **kwargs)
-        if os.path.lexists(self._run_file):  # (RunWriter's own message suggests overwrite=True, not ours to give)
+        exists = [self.accelerator.is_main_process and os.path.lexists(self._run_file)]
+        if self.accelerator.num_processes > 1:  # the main process' answer: every process refuses, none waits
+            broadcast_object_list(exists)
+        if exists[0]:  # (RunWriter's own message suggests overwrite=True, not ours to give)
             raise RunFileError(f"{self._run_file}: already exists; GradscopeGRPOTrainer never replaces a run file: "
                                "pass another run_file (one per train() call, also when resuming) or move this one")
+        if not self.accelerator.is_main_process:
+            return super().train(*args, **kwargs)
         with RunWriter(self._run_file, self.run_meta()) as self._writer:
             try:
                 return super().train(*args, **kwargs)
@@ -182,7 +187,11 @@ class GradscopeGRPOTrainer(GRPOTrainer):
                 self._writer = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        training = "loss" in logs  # a training log (TRL merges its metrics in); an evaluation's are eval_*
+        regular = "loss" in logs  # the Trainer's log every logging_steps (loss, grad_norm, learning_rate, ...)
+        # TRL merges its training metrics of the window into a log made in training mode: also into the
+        # end-of-train summary (train_runtime, ...) when max_steps is not a multiple of logging_steps
+        window = set(self._metrics["train"]) if self.model.training else set()
+        training = regular or bool(window)
         if training and self._grad_norm is not None:  # as TRL's grad_norm: the window's last optimizer step
             logs[GRAD_NORM] = self._grad_norm
             self._grad_norm = None
@@ -190,7 +199,7 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         if self._writer is None:
             return
         if training:  # not the gradscope/ statistics merged in: the run file holds their records, export derives them
-            ours = {k: v for k, v in logs.items() if not k.startswith(PREFIX)}
+            ours = {k: v for k, v in logs.items() if (regular or k in window) and not k.startswith(PREFIX)}
             self._writer.log_metrics(self.state.global_step, finite_items(ours))
         else:
             evals = {k[len(EVAL):]: v for k, v in logs.items() if k.startswith(EVAL) and isinstance(v, (int, float))}
@@ -237,7 +246,7 @@ class GradscopeGRPOTrainer(GRPOTrainer):
             with self._probed_backward(model):
                 loss = super().training_step(model, inputs, num_items_in_batch)
         except BaseException:
-            window, self._window = self._window, None
+            window, self._window, self._handle = self._window, None, None
             window.__exit__(*sys.exc_info())  # the probe leaves .grad as the interrupted step would
             raise
         if self.accelerator.sync_gradients:  # the last micro-batch: clipping and the optimizer come next
@@ -278,6 +287,7 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         window, self._window = self._window, None
         window.close()
         result = self.gradscope_last = self._handle.result
+        self._handle = None  # its step is closed: a later forward with grad (no training step) is not tagged
         if self.accelerator.num_processes > 1:
             self._sum_gradients()
         summary = probe_summary(result, self.gradscope_agents, self.gradscope_roles)

@@ -62,6 +62,8 @@ VERL_MODULES_ENV = "VERL_USE_EXTERNAL_MODULES"
 PLUGIN = "gradscope.integrations.verl"
 #: Per-record scalars (names as in ``gradscope train``'s records): all global over the ranks.
 SCALARS = ["loss", "grad_norm", "lr", "samples", "tokens"]
+#: What the launcher says when verl or hydra cannot be imported.
+MISSING_EXTRA = "the verl launcher needs verl and hydra: pip install 'gradscope[verl]'"
 #: √ΣM may differ from verl's grad_norm by this relative amount (bf16 compute) before it is reported.
 NORM_TOLERANCE = 0.05
 
@@ -107,6 +109,9 @@ class VerlSettings:
     def check(self) -> None:
         if self.enabled and not self.run:
             raise ConfigError("gradscope.run: give the run file to write (e.g. gradscope.run=/shared/run.h5)")
+        for key in ("policy", "agent_field"):  # an empty name would match no field / name no policy
+            if not getattr(self, key):
+                raise ConfigError(f"gradscope.{key} must not be empty (default {getattr(VerlSettings, key)!r})")
         if self.groups not in ("", "layer", "adapter"):
             raise ConfigError(f"gradscope.groups must be '', 'layer' or 'adapter', got {self.groups!r}")
         if self.sketch < 0 or self.flush_every < 1:
@@ -129,11 +134,11 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
             return value.lower() == "true"
         if isinstance(value, bool):
             return value
-    elif kind is list and isinstance(value, (list, tuple)):
+    elif kind is list and isinstance(value, (list, tuple)) and all(map(_is_name, value)):
         return [str(v) for v in value]
     elif kind is list and isinstance(value, str):
         return [value]
-    elif kind is dict and isinstance(value, Mapping):
+    elif kind is dict and isinstance(value, Mapping) and all(map(_is_name, value.values())):
         return {str(k): str(v) for k, v in value.items()}
     elif kind is int and not isinstance(value, bool):
         try:
@@ -142,8 +147,14 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
             pass
     elif kind is str and isinstance(value, (str, int, float)):
         return str(value)
-    kinds = {bool: "true or false", int: "an integer", str: "a string", list: "a list", dict: "a mapping"}
+    kinds = {bool: "true or false", int: "an integer", str: "a string", list: "a list of names",
+             dict: "a mapping of names to names"}
     raise ConfigError(f"gradscope.{key} must be {kinds[kind]}, got {value!r}")
+
+
+def _is_name(value: Any) -> bool:
+    """A value that reads as a name (``voter0``, ``1``), not a list or mapping to be stringified."""
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
 
 
 class VerlProbe:
@@ -505,7 +516,10 @@ def split_overrides(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     Values use Hydra's override grammar (``gradscope.agents=[voter0,voter1]``,
     ``gradscope.roles={voter0:voter,voter1:voter}``).
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+    except ImportError:
+        raise ConfigError(MISSING_EXTRA) from None
 
     ours, rest = [], []
     for arg in argv:
@@ -517,7 +531,12 @@ def split_overrides(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         except Exception as exc:  # hydra's OverrideParseException and friends: one line
             raise ConfigError(f"bad gradscope override: {' '.join(str(exc).split())}") from None
         for override in parsed:
-            values[override.key_or_group.split(".", 1)[1]] = override.value()
+            key = override.key_or_group.split(".", 1)[1]
+            if override.is_sweep_override():  # a=x,y is a hydra sweep, not a list
+                choices = getattr(override.value(), "list", None)  # a ChoiceSweep's; a range(...) has none
+                raise ConfigError(f"{override.input_line!r} is a hydra sweep (a comma outside brackets); give a "
+                                  f"list: gradscope.{key}=[{','.join(map(str, choices or ['...']))}]")
+            values[key] = override.value()
     return values, rest
 
 
@@ -530,7 +549,13 @@ def prepare(argv: Sequence[str]) -> tuple[VerlSettings, list[str]]:
     settings.run = str(Path(settings.run).resolve()) if settings.run else ""
     if settings.enabled and Path(settings.run).exists() and not settings.overwrite:
         raise ConfigError(f"gradscope.run: {settings.run} already exists (gradscope.overwrite=true replaces it)")
-    from verl.trainer.constants_ppo import PPO_RAY_RUNTIME_ENV
+    if settings.enabled and not Path(settings.run).parent.is_dir():  # else only rank 0's worker would find out
+        raise ConfigError(f"gradscope.run: cannot write {settings.run}: folder {Path(settings.run).parent} "
+                          f"does not exist")
+    try:
+        from verl.trainer.constants_ppo import PPO_RAY_RUNTIME_ENV
+    except ImportError:
+        raise ConfigError(MISSING_EXTRA) from None
 
     env = PPO_RAY_RUNTIME_ENV["env_vars"]
     env[SETTINGS_ENV] = settings.to_json()

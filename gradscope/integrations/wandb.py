@@ -12,10 +12,12 @@ from typing import Any
 
 import wandb
 
-from gradscope.integrations.sinks import Sink
+from gradscope.integrations.sinks import Sink, check_folder
 
 
 class WandbSink(Sink):
+    name = "wandb"
+
     def __init__(self, dest: str, run_name: str, config: Mapping[str, Any]) -> None:
         Path(dest).mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(mode="offline", dir=dest, project="gradscope", name=run_name, config=dict(config),
@@ -46,6 +48,11 @@ class WandbSink(Sink):
         # waits for them; only when no other run of this process still needs it.
         if wandb.run is None:
             wandb.teardown()
+
+
+def check(dest: str) -> None:
+    """ConfigError unless ``dest`` can be the run's folder (nothing is created)."""
+    check_folder("wandb", dest)
 
 
 def open_sink(dest: str, *, run_name: str, config: Mapping[str, Any]) -> WandbSink:

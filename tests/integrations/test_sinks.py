@@ -11,7 +11,7 @@ from gradscope.cli import main
 from gradscope.errors import ConfigError
 from gradscope.integrations.scalars import scalar_name
 from gradscope.integrations.sinks import open_sink
-from gradscope.runfile import RunWriter, open_run
+from gradscope.runfile import RunMeta, RunWriter, open_run
 from tests.figures.conftest import write_run
 from tests.integrations import readback
 
@@ -194,9 +194,8 @@ def test_train_log_to_every_dashboard(tmp_path, alternating_rewards):
     assert "grad_norm[voter]" in events and "grad_norm[aggregator]" in events
 
 
-def test_an_event_between_a_steps_records_does_not_split_the_step():
-    """IP logs one record per policy; a probe warning logged between them: the step is still sent once,
-    its statistics the mean over both records (the documented rule)."""
+def recording_writer():
+    """A SinkWriter over no run file into one sink that records what it is sent: (writer, sink)."""
     from gradscope.integrations.sinks import Sink, SinkWriter
 
     class Recording(Sink):
@@ -217,7 +216,13 @@ def test_an_event_between_a_steps_records_does_not_split_the_step():
             return lambda *a, **k: None
 
     sink = Recording()
-    writer = SinkWriter(Null(), [sink], ["voter0", "aggregator"], ["voter", "aggregator"])
+    return SinkWriter(Null(), [sink], ["voter0", "aggregator"], ["voter", "aggregator"]), sink
+
+
+def test_an_event_between_a_steps_records_does_not_split_the_step():
+    """IP logs one record per policy; a probe warning logged between them: the step is still sent once,
+    its statistics the mean over both records (the documented rule)."""
+    writer, sink = recording_writer()
     writer.log_step(1, np.diag([1.0, 0.0]), [3, 0])
     writer.log_event(1, "probe", "hooks fell back to split for a call", severity="warning")
     writer.log_step(1, np.diag([0.0, 4.0]), [0, 2])
@@ -226,3 +231,118 @@ def test_an_event_between_a_steps_records_does_not_split_the_step():
     stats = [v for step, v in sink.scalars_sent if "gradscope/grad_norm" in v]
     assert len(stats) == 1 and stats[0]["gradscope/grad_norm"] == pytest.approx((1.0 + 2.0) / 2)
     assert sink.texts == [(1, "gradscope/events", ["[warning] probe: hooks fell back to split for a call"])]
+
+
+TINY_TRAIN = ["train", "--steps", "1", "--tasks-per-step", "1", "--group-size", "2", "--n-held-out", "1",
+              "--max-new-tokens", "8", "--no-default-alerts"]
+
+
+def _one_line_error(capsys) -> str:
+    """The error line on standard error (after any progress bar), checked to be the only one and no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n") and err.count("gradscope: error: ") == 1, err
+    last = err.splitlines()[-1]
+    assert last.startswith("gradscope: error: "), err
+    return last
+
+
+def test_train_log_to_problems_are_refused_before_anything_is_made(tmp_path, capsys, monkeypatch):
+    """A --log-dir that cannot be a folder, or mlflow without SQLAlchemy: exit 2 before any model or run file."""
+    out, blocker = tmp_path / "run.h5", tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr("gradscope.trainers.train.load_base", lambda *a, **k: pytest.fail("model built"))
+    for args in (["--log-to", "tensorboard", "--log-dir", str(blocker)],
+                 ["--log-to", "wandb", "--log-dir", str(blocker / "sub")]):
+        assert main([*TINY_TRAIN, "--out", str(out), *args]) == 2
+        assert f"{blocker} is not a folder" in _one_line_error(capsys)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # mlflow-skinny without SQLAlchemy
+    assert main([*TINY_TRAIN, "--out", str(out), "--log-to", "mlflow"]) == 2
+    assert "needs the sqlalchemy package: pip install 'gradscope[mlflow]'" in _one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_sink_failing_to_open_makes_no_run_file(tmp_path, capsys, monkeypatch):
+    from gradscope.integrations.tensorboard import TensorBoardSink
+
+    def refuse(self, logdir):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(TensorBoardSink, "__init__", refuse)
+    out = tmp_path / "run.h5"
+    assert main([*TINY_TRAIN, "--out", str(out), "--log-to", "tensorboard"]) == 2
+    assert "cannot write tensorboard output to " in _one_line_error(capsys) and not out.exists()
+
+
+def test_a_sink_failing_while_training_is_one_line_and_the_run_file_stays_readable(tmp_path, capsys, monkeypatch):
+    from gradscope.integrations.tensorboard import TensorBoardSink
+
+    def disk_full(self, step, values):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(TensorBoardSink, "scalars", disk_full)
+    out = tmp_path / "run.h5"
+    assert main([*TINY_TRAIN, "--out", str(out), "--log-to", "tensorboard"]) == 2
+    assert "--log-to tensorboard failed at step 0: OSError: " in _one_line_error(capsys)
+    with open_run(out) as run:  # what was logged before the failure: the base evaluation
+        assert set(run.evals["step"].tolist()) == {0}
+
+
+def test_names_that_become_one_are_an_error_not_a_lost_value(tmp_path, capsys):
+    """Agents a:1 and a_1 would both be gradscope/agent_norm/a_1 (one value lost): refused, naming both."""
+    run = tmp_path / "run.h5"
+    meta = RunMeta(agents=["a:1", "a_1"], agent_roles=["r", "r"], roles=["r"])
+    with RunWriter(run, meta) as w:
+        w.log_step(1, np.eye(2), [3, 4])
+    assert main(["export", str(run), "--to", "tensorboard", str(tmp_path / "tb")]) == 2
+    assert capsys.readouterr().err == ("gradscope: error: 'agent_norm/a:1' and 'agent_norm/a_1' both become the "
+                                       "dashboard name 'gradscope/agent_norm/a_1' (characters other than letters, "
+                                       "digits and _ . / - space become _): rename one\n")
+    assert not (tmp_path / "tb").exists()
+    with RunWriter(tmp_path / "metrics.h5", RunMeta(agents=["a"], agent_roles=["r"], roles=["r"])) as w:
+        w.log_step(1, np.eye(1), [3])
+        w.log_metrics(1, {"acc:x": 1.0, "acc_x": 2.0})
+    assert main(["export", str(tmp_path / "metrics.h5"), "--to", "tensorboard", str(tmp_path / "tb")]) == 2
+    assert "'acc:x' and 'acc_x' both become the dashboard name 'gradscope/acc_x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["a//b", "a/", "a/../b"])
+def test_a_name_mlflow_refuses_is_one_line(tmp_path, capsys, name):
+    run = tmp_path / "run.h5"
+    with RunWriter(run, RunMeta(agents=["a"], agent_roles=["r"], roles=["r"])) as w:
+        w.log_step(1, np.eye(1), [3])
+        w.log_metrics(1, {name: 1.0})
+    assert main(["export", str(run), "--to", "mlflow", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradscope: error: mlflow refused the values of step 1: ") and err.count("\n") == 1, err
+
+
+def test_log_to_renames_a_metric_named_like_a_statistic_as_export_does():
+    """--log-to and export give a run's values the same names: TRL-style grad_norm as gradscope/metric/grad_norm."""
+    writer, sink = recording_writer()
+    writer.log_metrics(1, {"grad_norm": 123.0, "train/accuracy": 0.5})  # before any record: still renamed
+    writer.log_step(2, np.diag([1.0, 4.0]), [3, 2])
+    writer.log_metrics(2, {"norm/voter": 7.0})
+    writer.close()
+    sent = {name: value for _, values in sink.scalars_sent for name, value in values.items()}
+    assert sent["gradscope/metric/grad_norm"] == 123.0 and sent["gradscope/metric/norm/voter"] == 7.0
+    assert sent["gradscope/grad_norm"] == pytest.approx(np.sqrt(5.0)) and sent["gradscope/norm/voter"] == 1.0
+
+
+def test_a_file_store_needs_mlflows_opt_in(ip_run, tmp_path, capsys, monkeypatch):
+    """MLflow 3 opens a file: store only with MLFLOW_ALLOW_FILE_STORE=true: the one line says so."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    dest = f"file:{tmp_path}/mlruns"
+    assert main(["export", str(ip_run), "--to", "mlflow", dest]) == 2
+    assert capsys.readouterr().err == (f"gradscope: error: mlflow store {dest} cannot be used: MLflow opens a file: "
+                                       f"store only with MLFLOW_ALLOW_FILE_STORE=true set; or give a folder "
+                                       f"(a SQLite store)\n")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert main(["export", str(ip_run), "--to", "mlflow", dest]) == 0
+
+
+def test_a_long_mlflow_message_is_cut_at_a_word():
+    from mlflow.exceptions import MlflowException
+
+    from gradscope.integrations.mlflow import _message
+
+    text = "word " * 100 + "\nsecond line"
+    short = _message(MlflowException(text))
+    assert len(short) <= 300 and short.endswith("word ...") and "second" not in short

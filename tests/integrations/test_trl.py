@@ -221,6 +221,22 @@ def test_accelerate_two_processes_equal_one(tmp_path):
     assert np.sqrt(b["gram"].sum()) == pytest.approx(float(b["grad_norm"]), rel=1e-5)
 
 
+@pytest.mark.slow
+def test_an_existing_run_file_stops_every_process(tmp_path):
+    """Under accelerate launch the main process checks the run file and every process refuses (the
+    others used to go on training and wait for it)."""
+    run = tmp_path / "run.h5"
+    run.write_bytes(b"")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), "-m", "tests.integrations.trl_case"]
+    done = subprocess.run([*launch, str(tmp_path / "out.npz"), "--per-device", "8", "--run-file", str(run)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    for rank in (0, 1):
+        assert f"rank {rank}: {run}: already exists;" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    assert run.read_bytes() == b""
+
+
 def test_agent_ids_of_masked_out_unnamed_and_bad_values():
     """A completion TRL masked out whole (mask_truncated_completions) takes any value; None: no agent's (its
     trained tokens an error); a value neither a name nor a per-token list: a ProbeError naming it."""
@@ -249,3 +265,20 @@ def test_groups_reach_the_run_file(tmp_path):
         assert r.meta.group_sizes == trainer.probe.group_sizes
         np.testing.assert_allclose(r.group_gram[-1], trainer.gradscope_last.group_gram)
         np.testing.assert_allclose(r.group_gram[-1].sum(0), r.gram[-1], rtol=1e-6)
+
+
+def test_the_last_partial_logging_window_reaches_the_run_file(tmp_path):
+    """max_steps=3, logging_steps=2: TRL puts step 3's metrics into its end-of-train summary (beside
+    train_runtime, ...); the run file gets them at step 3, not the summary's own entries."""
+    run = tmp_path / "run.h5"
+    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=3, logging_steps=2)
+    trainer.train()
+    summary = trainer.state.log_history[-1]
+    assert "train_runtime" in summary and "reward" in summary and "loss" not in summary
+    assert summary["gradscope/grad_norm"] == pytest.approx(np.sqrt(trainer.gradscope_last.gram.sum()), rel=1e-6)
+    with open_run(run) as r:
+        metrics = r.metrics_wide()
+    assert list(metrics.index) == [2, 3]
+    assert metrics.loc[3, "reward"] == pytest.approx(summary["reward"])
+    assert "train_runtime" not in metrics and "train_loss" not in metrics
+    assert not [n for n in metrics if str(n).startswith("gradscope/")]

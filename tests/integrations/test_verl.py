@@ -428,5 +428,22 @@ def test_launcher_refuses_bad_settings_in_one_line(tmp_path):
     assert proc.stderr.strip() == "gradscope: error: gradscope.sketch must be >= 0 and gradscope.flush_every >= 1"
 
 
+
+def test_launcher_refuses_what_only_a_worker_would_find(tmp_path):
+    """A run file in a missing folder (else rank 0's worker fails later), and agents given as a hydra sweep
+    (gradscope.agents=voter0,voter1: its message used to print ChoiceSweep's repr), before anything starts."""
+    from gradscope.errors import ConfigError
+    from gradscope.integrations.verl import prepare
+
+    with pytest.raises(ConfigError) as err:
+        prepare([f"gradscope.run={tmp_path}/missing/run.h5"])
+    assert str(err.value) == (f"gradscope.run: cannot write {tmp_path}/missing/run.h5: folder {tmp_path}/missing "
+                              f"does not exist")
+    with pytest.raises(ConfigError) as err:
+        prepare([f"gradscope.run={tmp_path}/run.h5", "gradscope.agents=voter0,voter1"])
+    assert str(err.value) == ("'gradscope.agents=voter0,voter1' is a hydra sweep (a comma outside brackets); "
+                              "give a list: gradscope.agents=[voter0,voter1]")
+
+
 if __name__ == "__main__":
     child_main(sys.argv[1], sys.argv[2])

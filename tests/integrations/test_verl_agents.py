@@ -56,3 +56,29 @@ def test_agents_given_as_one_string_with_commas_are_refused():
                                           r"gradscope.agents=\[voter0,voter1\]"):
         VerlSettings.from_mapping({"run": "run.h5", "agents": "voter0,voter1"})
     assert VerlSettings.from_mapping({"run": "run.h5", "agents": ["voter0", "voter1"]}).agents == ["voter0", "voter1"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"policy": ""}, "gradscope.policy must not be empty (default 'actor')"),
+    ({"agent_field": ""}, "gradscope.agent_field must not be empty (default 'agent_name')"),
+    ({"roles": {"a": {"b": "c"}}}, "gradscope.roles must be a mapping of names to names, got {'a': {'b': 'c'}}"),
+    ({"agents": ["a", ["b"]]}, "gradscope.agents must be a list of names, got ['a', ['b']]"),
+])
+def test_settings_that_would_be_stringified_or_empty_are_refused(values, message):
+    with pytest.raises(ConfigError) as err:
+        VerlSettings.from_mapping({"run": "r.h5", **values})
+    assert str(err.value) == message
+
+
+def test_the_launcher_without_verl_names_the_extra(tmp_path):
+    """No verl/hydra (this venv): one line naming the extra, exit 2, not a ModuleNotFoundError."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules.update(dict.fromkeys(['hydra', 'verl'])); "
+            "from gradscope.integrations.verl import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code, f"gradscope.run={tmp_path}/x.h5"],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "gradscope: error: the verl launcher needs verl and hydra: "
+                                                 "pip install 'gradscope[verl]'\n")

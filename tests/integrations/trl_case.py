@@ -3,7 +3,8 @@ character tokenizer, a Voting-shaped dataset (one agent per row) and a determini
 
 ``python -m tests.integrations.trl_case OUT.npz [--per-device N]`` trains one probed step with the
 deterministic rollout and saves the Gram, token counts and TRL's ``grad_norm`` (main process) — run
-plainly or under ``accelerate launch --num_processes 2`` to compare one process with two.
+plainly or under ``accelerate launch --num_processes 2`` to compare one process with two
+(``--run-file RUN``: with the trainer's ``run_file``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, Qwen3Config
 from trl import GRPOConfig, GRPOTrainer
 
+from gradscope.errors import RunFileError
 from gradscope.integrations.trl import AGENT_IDS, GradscopeGRPOTrainer
 from gradscope.trainers.testbed.tokenizer import build_tokenizer
 
@@ -133,9 +135,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--per-device", type=int, default=16)
+    parser.add_argument("--run-file", default=None, help="the trainer's run_file; one that exists: each process "
+                                                           "prints its RunFileError as 'rank N: ...' and exits 3")
     args = parser.parse_args()
-    trainer = make_trainer(os.path.dirname(args.out) or ".", per_device=args.per_device, rollout_func=deterministic_rollout)
-    trainer.train()
+    trainer = make_trainer(os.path.dirname(args.out) or ".", per_device=args.per_device, rollout_func=deterministic_rollout,
+                           run_file=args.run_file)
+    try:
+        trainer.train()
+    except RunFileError as exc:
+        print(f"rank {trainer.accelerator.process_index}: {exc}", flush=True)
+        raise SystemExit(3) from None
     if trainer.accelerator.is_main_process:
         r = trainer.gradscope_last
         np.savez(args.out, gram=r.gram, tokens=r.tokens, grad_norm=trainer.state.log_history[0]["grad_norm"],
