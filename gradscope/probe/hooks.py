@@ -105,7 +105,7 @@ PER_ROW_LIMIT = 1 << 24
 #: error of n summed squares is at most n · 1.2e-38 / 1e-20 = 1.2e-18 · n, negligible above it).
 PRECISE_BELOW = 1e-20
 _NO_CONTEXT = nullcontext()
-#: The layers an open hooks probe holds (module → its method): a second probe on one of them is refused.
+#: The layers an open hooks probe holds (module → its method): a newer probe on one of them closes the older.
 _HOOKED: "weakref.WeakKeyDictionary[nn.Module, HooksMethod]" = weakref.WeakKeyDictionary()
 
 
@@ -479,19 +479,18 @@ class HooksMethod(GramMethod):
 
     def _magnitudes(self) -> dict[int, float]:
         """The step's magnitudes ``S`` by parameter index, as floats, summed once per step with one transfer to
-        the host per device and dtype (not one per parameter or call: each would be a device sync on a GPU)."""
+        the host per device (not one per parameter or call: each would be a device sync on a GPU)."""
         if self._resolved is None:
-            by: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+            by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
             for i, value in self._magnitude:
-                by.setdefault((value.device, value.dtype), []).append((i, value.reshape(-1)))
+                by_device.setdefault(value.device, []).append((i, value.reshape(-1)))
             self._resolved = {}
-            for (device, _), parts in by.items():
-                values = torch.cat([v for _, v in parts]).double()
-                index = torch.tensor([i for i, _ in parts], device=device).repeat_interleave(
-                    torch.tensor([len(v) for _, v in parts], device=device), output_size=len(values))
+            for device, parts in by_device.items():
+                values = torch.cat([v for _, v in parts]).double()  # (cat promotes fp32 parts beside fp64 ones)
+                index = torch.tensor([i for i, _ in parts], device=device).repeat_interleave(  # (a list per value:
+                    torch.tensor([len(v) for _, v in parts], device=device), output_size=len(values))  # 0.2 ms a step)
                 sums = values.new_zeros(len(self.params)).index_add_(0, index, values).tolist()
-                for i in {i for i, _ in parts}:
-                    self._resolved[i] = self._resolved.get(i, 0.0) + sums[i]
+                self._resolved.update((i, sums[i]) for i, _ in parts)
         return self._resolved
 
     def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
