@@ -182,6 +182,13 @@ class _Forward:
     mixed: bool = False                 # rows of several agents (or of none): attribution depends on the rows
     by_agent: dict[int, torch.Tensor] = field(default_factory=dict)  # row indices per agent
     unowned: torch.Tensor | None = None  # indices of rows of no agent (their gradient must be 0)
+    _onehot: torch.Tensor | None = None  # (onehot's cache)
+
+    def onehot(self, n_agents: int, dtype: torch.dtype) -> torch.Tensor:
+        """(K, rows) ``[agent(b) == k]`` in ``dtype`` (a row of no agent: a zero column), made once per forward."""
+        if self._onehot is None or self._onehot.dtype != dtype:
+            self._onehot = (self.agents[None, :] == torch.arange(n_agents, device=self.agents.device)[:, None]).to(dtype)
+        return self._onehot
 
     def owned(self, per_row: torch.Tensor) -> torch.Tensor:
         """The rows with an agent of ``per_row`` (rows, ...): itself, not a gathered copy, when every row has one."""
@@ -198,6 +205,7 @@ class _Forward:
         self.single = present[0] if len(present) == 1 and present[0] >= 0 else None
         self.by_agent = {k: (agents == k).nonzero().squeeze(1) for k in present if k >= 0}
         self.unowned = (agents < 0).nonzero().squeeze(1) if -1 in present and len(present) > 1 else None
+        self._onehot = None
 
     def release(self) -> None:
         """Let go of the calls' inputs and graph edges (see :meth:`HooksMethod._prune`)."""
@@ -535,8 +543,13 @@ class HooksMethod(GramMethod):
             dW_size = torch.linalg.vector_norm(dW)
         elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
             P = torch.bmm(G.transpose(1, 2), A, out=self._scratch(fwd.rows, d_out, d_in, A))  # (rows, d_out, d_in)
-            self._add_by_row(layer.weight, P, fwd)
-            dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1)
+            S = self._add_by_row(layer.weight, P, fwd)                # (K, d_out·d_in)
+            if fwd.unowned is None:
+                # .grad and the per-agent gradients both sum the per-agent sums S_k: Σ_k ‖S_k‖ bounds the
+                # rounding between them (and S is K rows, P many)
+                dW, dW_size = S.sum(0).view(d_out, d_in), torch.linalg.vector_norm(S, dim=1)
+            else:  # rows of no agent: .grad holds their products too (they must be 0: see _unowned_grad)
+                dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1)
         else:
             D = self._dense_of(layer.weight)
             if fwd.unowned is not None or not fwd.by_agent:  # rows of no agent: autograd's Gᵀ A holds them
@@ -578,14 +591,26 @@ class HooksMethod(GramMethod):
         per_row = per_row.reshape(fwd.rows, -1)
         return per_row.new_zeros(self.n_agents, per_row.shape[1]).index_add_(0, fwd.kept, fwd.owned(per_row))
 
-    def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> None:
-        """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape)."""
-        D = self._dense_of(i)
+    def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor | None:
+        """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape). Returns the
+        call's per-agent sums S (K, prod(shape)) where the rows are of several agents (or of none), else None.
+
+        ``S = onehot @ per_row``: one matmul, which reads the rows once (``index_add_`` and then the rows' sum
+        and norms read them three times); on the parameter's first call of the step S is written straight into
+        its per-agent buffer, which then needs no zeroing. A non-finite row makes every agent's S non-finite
+        (0 · NaN = NaN); the step's statistics are NaN either way, and telling the agent apart would cost a
+        host read (a device sync) per call."""
         if fwd.single is not None:
-            D[fwd.single] += per_row.sum(0)
-            return
+            self._dense_of(i)[fwd.single] += per_row.sum(0)
+            return None
+        onehot = fwd.onehot(self.n_agents, per_row.dtype)             # (K, rows)
         per_row = per_row.reshape(fwd.rows, -1)
-        D.view(self.n_agents, -1).index_add_(0, fwd.kept, fwd.owned(per_row))
+        if i not in self._dense:
+            D = self._dense[i] = self._buffer(i)
+            return torch.mm(onehot, per_row, out=D.view(self.n_agents, -1))
+        S = onehot @ per_row
+        self._dense[i].view(self.n_agents, -1).add_(S)
+        return S
 
     def _embedding_rows(self, layer: _Layer, fwd: _Forward, ids: torch.Tensor, grad: torch.Tensor,
                         store: Store | None = None) -> None:
@@ -615,13 +640,19 @@ class HooksMethod(GramMethod):
         return self._scratches[key]
 
     def _dense_of(self, i: int) -> torch.Tensor:
-        if i not in self._dense:  # reuse the buffer of an earlier step: no allocation per step
-            buffer = self._buffers.get(i)
-            if buffer is None:
-                p = self.params[i]
-                buffer = self._buffers[i] = torch.empty(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
-            self._dense[i] = buffer.zero_()
+        """(K, *shape) the per-agent gradients of ``params[i]`` this step, zeros at the first use."""
+        if i not in self._dense:
+            self._dense[i] = self._buffer(i).zero_()
         return self._dense[i]
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        """(K, *shape) uninitialised storage for the per-agent gradients of ``params[i]``, kept across steps (no
+        allocation per step)."""
+        buffer = self._buffers.get(i)
+        if buffer is None:
+            p = self.params[i]
+            buffer = self._buffers[i] = torch.empty(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
+        return buffer
 
     def _materialise(self, layer: _Layer) -> None:
         """Turn the layer's kept token rows into dense per-agent gradients."""
