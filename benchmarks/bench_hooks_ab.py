@@ -1,0 +1,70 @@
+"""A change to the hooks method against a git revision's, on one model copy: for judging a change worth ~1 %.
+
+Two model copies differ by up to ±0.03 of a plain step on the LoRA LM of bench_peers.py (where the allocator
+places each copy's tensors), more than most single changes to hooks are worth. Here both versions of
+``gradscope/probe/hooks.py`` — the working tree's and ``REV``'s — run on the same model copy and the same
+probe: the probe's method switches class between steps (its state is the same for both). Plain runs on a
+second copy, interleaved with both (order rotated every repetition), CPU time per step, medians after warm-up.
+
+Prints the ratios to plain and their difference (negative: the working tree is faster). Judge a change by
+the sign of the difference over several processes, not by one.
+
+Run: ``.venv/bin/python benchmarks/bench_hooks_ab.py [--rev HEAD] [--agents 8] [--reps 20]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_peers import Runner, Workload
+from bench_probe import interleaved
+
+
+def hooks_at(rev: str) -> types.ModuleType:
+    """``gradscope/probe/hooks.py`` as it is at git revision ``rev``, as a module of its own."""
+    source = subprocess.run(["git", "show", f"{rev}:gradscope/probe/hooks.py"], capture_output=True, text=True,
+                            check=True).stdout
+    module = types.ModuleType(f"hooks_at_{rev}")
+    sys.modules[module.__name__] = module  # (dataclasses look their module up)
+    exec(compile(source, f"hooks.py@{rev}", "exec"), module.__dict__)
+    return module
+
+
+def main(rev: str = "HEAD", K: int = 8, reps: int = 20, warmup: int = 3) -> dict[str, float]:
+    torch.set_num_threads(1)
+    work = Workload("lora-lm", K)
+    runner = Runner(work, ["plain", "hooks"])
+    method = runner.probes["hooks"]._method
+    classes = {"tree": type(method), rev: hooks_at(rev).HooksMethod}
+    names = ["plain", "tree", rev]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep, name in interleaved(names, warmup, reps):
+        if name != "plain":
+            method.__class__ = classes[name]
+        start = time.process_time()
+        runner.step("plain" if name == "plain" else "hooks")
+        if rep >= warmup:
+            times[name].append(time.process_time() - start)
+    plain = statistics.median(times["plain"])
+    ratios = {name: statistics.median(t) / plain for name, t in times.items()}
+    print(f"lora-lm K={K}, plain {plain * 1e3:.0f} ms: working tree {ratios['tree']:.4f}x, {rev} {ratios[rev]:.4f}x "
+          f"plain; difference {ratios['tree'] - ratios[rev]:+.4f}")
+    return ratios
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rev", default="HEAD", help="the git revision to compare with (default HEAD)")
+    parser.add_argument("--agents", type=int, default=8, help="K (default 8)")
+    parser.add_argument("--reps", type=int, default=20, help="timed repetitions (default 20)")
+    args = parser.parse_args()
+    main(args.rev, args.agents, args.reps)
