@@ -711,13 +711,13 @@ class HooksMethod(GramMethod):
                              "grad_reduced=True .grad is not this rank's own gradient")
         self.fallback_calls += 1
         self._reasons.append(reason)
-        sink = self.store.add_grad if self.store is not None else self._add_agent_grad
+        sink = self.store.add_grads if self.store is not None else self._add_agent_grads
         if self._check is not None:
             check, inner = self._check, sink
 
-            def sink(i: int, k: int, grad: torch.Tensor) -> None:  # noqa: F811 (both sides see these gradients)
-                inner(i, k, grad)
-                check.add_grad(i, k, grad)
+            def sink(k: int, grads: list[tuple[int, torch.Tensor]]) -> None:  # noqa: F811 (both sides see them)
+                inner(k, grads)
+                check.add_grads(k, grads)
         self._own = True
         try:
             backward_per_agent(self.params, terms, retain_graph, sink)
@@ -725,8 +725,9 @@ class HooksMethod(GramMethod):
             self._own, self._aux = False, False
             self._prune(lambda f: f is self._tagged)
 
-    def _add_agent_grad(self, i: int, agent: int, grad: torch.Tensor) -> None:
-        self._dense_of(i)[agent].add_(grad)
+    def _add_agent_grads(self, agent: int, grads: list[tuple[int, torch.Tensor]]) -> None:
+        if grads:
+            torch._foreach_add_([self._dense_of(i)[agent] for i, _ in grads], [grad for _, grad in grads])
 
     def backward_rows(self, loss: torch.Tensor, row_agents: torch.Tensor | None,
                       terms: Callable[[], Terms] | None, retain_graph: bool) -> None:

@@ -16,10 +16,13 @@ from gradscope.probe.method import GramMethod
 from gradscope.probe.store import FlatStore, Store
 
 
+Grads = list[tuple[int, torch.Tensor]]  # (index into params, that parameter's gradient)
+
+
 def backward_per_agent(params: Sequence[nn.Parameter], terms: Sequence[tuple[int, torch.Tensor]],
-                       retain_graph: bool, sink: Callable[[int, int, torch.Tensor], None]) -> None:
-    """Back-propagate each ``(agent, loss)`` term on its own and hand ``sink(i, agent, grad)`` the gradient
-    it leaves on ``params[i]``.
+                       retain_graph: bool, sink: Callable[[int, Grads], None]) -> None:
+    """Back-propagate each ``(agent, loss)`` term on its own and hand ``sink(agent, [(i, grad), ...])`` the
+    gradients it leaves on ``params`` (those it reaches), once per term.
 
     ``.grad`` keeps the running sum: after every term it holds what it held before plus that term's
     gradient (None where no term has reached yet), as one ``(Σ terms).backward()`` would, also if a
@@ -32,15 +35,29 @@ def backward_per_agent(params: Sequence[nn.Parameter], terms: Sequence[tuple[int
             p.grad = None
         try:
             torch.autograd.backward(term, retain_graph=retain_graph or j < len(live) - 1)
-            for i, p in enumerate(params):
-                if p.grad is not None:  # (a sparse gradient, of nn.Embedding(sparse=True), as its dense values)
-                    sink(i, k, p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            # (a sparse gradient, of nn.Embedding(sparse=True), as its dense values)
+            sink(k, [(i, p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                     for i, p in enumerate(params) if p.grad is not None])
         finally:
-            for p, grad in zip(params, before):
-                if grad is not None and p.grad is not None:
-                    p.grad = grad.add_(p.grad)
-                elif grad is not None:
-                    p.grad = grad
+            _add_back(params, before)
+
+
+def _add_back(params: Sequence[nn.Parameter], before: Sequence[torch.Tensor | None]) -> None:
+    """``.grad = before + .grad`` (None + g = g), in place into ``before``; the dense pairs in one foreach call
+    (sparse gradients and tensor subclasses one by one)."""
+    dense: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for p, grad in zip(params, before):
+        if grad is None:
+            continue
+        plain = p.grad is not None and type(grad) is type(p.grad) is torch.Tensor
+        if plain and not (grad.is_sparse or p.grad.is_sparse):
+            dense[0].append(grad)
+            dense[1].append(p.grad)
+        elif p.grad is not None:
+            grad = grad.add_(p.grad)
+        p.grad = grad
+    if dense[0]:
+        torch._foreach_add_(*dense)
 
 
 class SplitMethod(GramMethod):
@@ -57,7 +74,7 @@ class SplitMethod(GramMethod):
         self.store.zero()
 
     def backward(self, terms: Sequence[tuple[int, torch.Tensor]], retain_graph: bool) -> None:
-        backward_per_agent(self.params, terms, retain_graph, self.store.add_grad)
+        backward_per_agent(self.params, terms, retain_graph, self.store.add_grads)
 
     def end(self) -> np.ndarray:
         return self.store.grams()

@@ -105,9 +105,10 @@ class Store(ABC):
     def _buffers(self) -> list[torch.Tensor]:
         """The tensors that hold the contributions (summed over ranks in :meth:`grams`)."""
 
-    def add_grad(self, i: int, agent: int, grad: torch.Tensor) -> None:
-        """Add one agent's whole gradient of ``params[i]``."""
-        self.add(i, [agent], grad.reshape(1, -1))
+    def add_grads(self, agent: int, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Add one agent's whole gradients: ``grad`` of ``params[i]`` for each ``(i, grad)``."""
+        for i, grad in grads:
+            self.add(i, [agent], grad.reshape(1, -1))
 
     def small(self, i: int) -> bool:
         """Whether ``params[i]``'s per-agent gradients are cheap to hand over whole (K × numel ≤ CHUNK);
@@ -202,6 +203,13 @@ class FlatStore(Store):
         lo = self.offsets[i] + start
         for r, k in enumerate(agents):
             self.buffer[k, lo:lo + values.shape[1]] += values[r]
+
+    def add_grads(self, agent: int, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """One foreach call (split adds ~50-200 gradients per agent and micro-batch: one op each otherwise)."""
+        if any(type(grad) is not torch.Tensor for _, grad in grads):  # a tensor subclass (DTensor): as it defines
+            return super().add_grads(agent, grads)
+        if grads:
+            torch._foreach_add_([self.view(i)[agent] for i, _ in grads], [grad for _, grad in grads])
 
     def scatter(self, i: int, agents: torch.Tensor, coords: torch.Tensor, values: torch.Tensor) -> None:
         index = agents * self.size + self.offsets[i] + coords

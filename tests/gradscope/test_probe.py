@@ -257,3 +257,44 @@ def test_use_adapter_avoids_peft_requires_grad_pitfall():
     with use_adapter(model, "voter"):
         assert all(p.requires_grad for ps in adapter_parameters(model).values() for _, p in ps)
     assert model.active_adapter == "aggregator"
+
+
+def test_split_hands_each_term_s_gradients_and_keeps_grad_the_running_sum():
+    """backward_per_agent: the sink gets each term's gradients (autograd.grad's, term by term), once per term;
+    .grad ends as one unprobed backward of all terms leaves it — with a dense .grad already there, one that is
+    None, a sparse embedding's (already there, and not), and a parameter no term reaches."""
+    from gradscope.probe.split import backward_per_agent
+
+    def model():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"emb": nn.Embedding(6, 3, sparse=True), "sp": nn.Embedding(6, 3, sparse=True),
+                              "lin": nn.Linear(3, 2), "idle": nn.Linear(2, 2)})
+
+    def terms(m):
+        ids = torch.tensor([[0, 1, 2], [3, 4, 1]])
+        out = m["lin"](m["emb"](ids) + m["sp"](ids))  # (2, 3, 2)
+        return [(k, out[k].square().sum() * (k + 1)) for k in range(2)]
+
+    probed, plain = model(), model()
+    for m in (probed, plain):  # already there: lin.weight (dense), sp.weight (sparse)
+        m["lin"].weight.grad = torch.full_like(m["lin"].weight, 0.5)
+        (m["sp"](torch.tensor([5, 1])) * 0.25).sum().backward()
+        assert m["sp"].weight.grad.is_sparse
+    reference = model()
+    expected = {k: torch.autograd.grad(t, list(reference.parameters()), allow_unused=True, retain_graph=True)
+                for k, t in terms(reference)}
+    sum(t for _, t in terms(plain)).backward()
+    params = list(probed.parameters())
+    got: list[tuple[int, dict[int, torch.Tensor]]] = []
+    backward_per_agent(params, terms(probed), False, lambda k, grads: got.append((k, {i: g.clone() for i, g in grads})))
+    assert [k for k, _ in got] == [0, 1]
+    for k, grads in got:
+        reached = {i for i, g in enumerate(expected[k]) if g is not None}
+        assert set(grads) == reached and not any(g.is_sparse for g in grads.values())
+        for i in reached:
+            torch.testing.assert_close(grads[i], expected[k][i].to_dense())
+    for (name, p), q in zip(probed.named_parameters(), plain.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)
