@@ -3,7 +3,7 @@
 Two model copies differ by up to ±0.03 of a plain step on the LoRA LM of bench_peers.py (where the allocator
 places each copy's tensors), more than most single changes to hooks are worth. Here both versions of
 ``gradscope/probe/hooks.py`` — the working tree's and ``REV``'s — run on the same model copy and the same
-probe: the probe's method switches class between steps (its state is the same for both). Plain runs on a
+probe: the probe's method switches class between steps, its layer hooks with it (its state is the same for both). Plain runs on a
 second copy, interleaved with both (order rotated every repetition), CPU time per step, medians after warm-up.
 
 Prints the ratios to plain and their difference (negative: the working tree is faster). Judge a change by
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import types
+from functools import partial
 
 import torch
 
@@ -39,6 +40,19 @@ def hooks_at(rev: str) -> types.ModuleType:
     return module
 
 
+def switch(method: object, cls: type) -> None:
+    """Make ``method`` an instance of ``cls``, its hooks too: those registered at construction hold bound
+    methods of the class it had then."""
+    method.__class__ = cls
+    for installed in method._installed:  # fused.Installed: on_call = partial(method._on_forward, layer)
+        installed.on_call = partial(method._on_forward, *installed.on_call.args)
+    for handle in method._handles:  # the model's pre-hook, and forward hooks partial(_on_forward_hook, layer)
+        hooks = handle.hooks_dict_ref()
+        hook = hooks[handle.id]
+        hooks[handle.id] = (partial(method._on_forward_hook, *hook.args) if isinstance(hook, partial)
+                            else method._on_model_call)
+
+
 def main(rev: str = "HEAD", K: int = 8, reps: int = 20, warmup: int = 3) -> dict[str, float]:
     torch.set_num_threads(1)
     work = Workload("lora-lm", K)
@@ -49,7 +63,7 @@ def main(rev: str = "HEAD", K: int = 8, reps: int = 20, warmup: int = 3) -> dict
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep, name in interleaved(names, warmup, reps):
         if name != "plain":
-            method.__class__ = classes[name]
+            switch(method, classes[name])
         start = time.process_time()
         runner.step("plain" if name == "plain" else "hooks")
         if rep >= warmup:
