@@ -93,7 +93,7 @@ from gradscope.probe import fused
 from gradscope.probe.distributed import all_reduce_max, all_reduce_sum_
 from gradscope.probe.fused import as_dtype
 from gradscope.probe.method import GramMethod, Terms
-from gradscope.probe.split import backward_per_agent
+from gradscope.probe.split import Grads, backward_per_agent
 from gradscope.probe.store import FlatStore, Store, each_squared_norm, squared_norms
 
 #: A full weight uses the ghost form while N·(d_in + d_out) < GHOST_FACTOR · d_in·d_out.
@@ -715,7 +715,7 @@ class HooksMethod(GramMethod):
         if self._check is not None:
             check, inner = self._check, sink
 
-            def sink(k: int, grads: list[tuple[int, torch.Tensor]]) -> None:  # noqa: F811 (both sides see them)
+            def sink(k: int, grads: Grads) -> None:  # noqa: F811 (both sides see these gradients)
                 inner(k, grads)
                 check.add_grads(k, grads)
         self._own = True
@@ -725,7 +725,7 @@ class HooksMethod(GramMethod):
             self._own, self._aux = False, False
             self._prune(lambda f: f is self._tagged)
 
-    def _add_agent_grads(self, agent: int, grads: list[tuple[int, torch.Tensor]]) -> None:
+    def _add_agent_grads(self, agent: int, grads: Grads) -> None:
         if grads:
             torch._foreach_add_([self._dense_of(i)[agent] for i, _ in grads], [grad for _, grad in grads])
 
