@@ -3,7 +3,8 @@
 Two model copies differ by up to ±0.03 of a plain step on the LoRA LM of bench_peers.py (where the allocator
 places each copy's tensors), more than most single changes to hooks are worth. Here both versions of
 ``gradscope/probe/hooks.py`` — the working tree's and ``REV``'s — run on the same model copy and the same
-probe: the probe's method switches class between steps, its layer hooks with it (its state is the same for both). Plain runs on a
+probe: the probe's method switches class between steps, its layer hooks with it (its state is the same for both,
+but for the caches it keeps across steps, each class's own). Plain runs on a
 second copy, interleaved with both (order rotated every repetition), CPU time per step, medians after warm-up.
 
 Prints the ratios to plain and their difference (negative: the working tree is faster). Judge a change by
@@ -40,9 +41,16 @@ def hooks_at(rev: str) -> types.ModuleType:
     return module
 
 
-def switch(method: object, cls: type) -> None:
+#: The method's caches kept across steps: each class keeps its own (their layout may differ between revisions).
+CACHES = ("_buffers", "_scratches")
+
+
+def switch(method: object, cls: type, caches: dict[type, dict[str, object]]) -> None:
     """Make ``method`` an instance of ``cls``, its hooks too: those registered at construction hold bound
-    methods of the class it had then."""
+    methods of the class it had then; and its :data:`CACHES` those ``cls`` left (``caches``, by class)."""
+    caches[type(method)] = {name: getattr(method, name) for name in CACHES}
+    for name, value in caches.get(cls, {name: {} for name in CACHES}).items():
+        setattr(method, name, value)
     method.__class__ = cls
     for installed in method._installed:  # fused.Installed: on_call = partial(method._on_forward, layer)
         installed.on_call = partial(method._on_forward, *installed.on_call.args)
@@ -61,9 +69,10 @@ def main(rev: str = "HEAD", K: int = 8, reps: int = 20, warmup: int = 3) -> dict
     classes = {"tree": type(method), rev: hooks_at(rev).HooksMethod}
     names = ["plain", "tree", rev]
     times: dict[str, list[float]] = {name: [] for name in names}
+    caches: dict[type, dict[str, object]] = {}
     for rep, name in interleaved(names, warmup, reps):
         if name != "plain":
-            switch(method, classes[name])
+            switch(method, classes[name], caches)
         start = time.process_time()
         runner.step("plain" if name == "plain" else "hooks")
         if rep >= warmup:

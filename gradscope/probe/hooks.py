@@ -213,7 +213,7 @@ class _Forward:
             piece.inputs = piece.edge = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Piece:
     """One call of a hooked layer, waiting for its output gradient."""
 
@@ -289,10 +289,11 @@ class HooksMethod(GramMethod):
         self._reentrant = False
         self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
         self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients, this step
-        self._buffers: dict[int, torch.Tensor] = {}  # their storage, kept across steps
-        self._scratches: dict[tuple, torch.Tensor] = {}  # per-row product buffers by shape (_scratch)
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their storage, kept across steps (_buffer)
+        self._unmeasured: set[int] = set()  # dense weights holding one call's sums S whose norms are not yet read
+        self._scratches: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per-row product buffers (_scratch)
         self._grad0: list[torch.Tensor | None] = []
-        self._magnitude: list[tuple[int, torch.Tensor]] = []  # (param index, a part of its magnitude S)
+        self._magnitude: list[tuple[int | list[int], torch.Tensor]] = []  # (param index, a part of its magnitude S)
         self._resolved: dict[int, float] | None = None  # the same as floats, once read (_magnitudes)
         self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
         self._unowned_grad: str | None = None  # a layer whose rows of no agent received gradient
@@ -415,7 +416,9 @@ class HooksMethod(GramMethod):
 
     def _trained(self, weight: int | None, bias: int | None) -> tuple[int | None, int | None]:
         """``(weight, bias)`` with the parameters that do not require a gradient now as None."""
-        return tuple(i if i is not None and self.params[i].requires_grad else None for i in (weight, bias))
+        params = self.params  # (no generator: this runs twice per hooked call)
+        return (None if weight is None or not params[weight].requires_grad else weight,
+                None if bias is None or not params[bias].requires_grad else bias)
 
     @contextmanager
     def _as_trained(self, piece: _Piece) -> Iterator[None]:
@@ -447,8 +450,7 @@ class HooksMethod(GramMethod):
                     self._add_magnitude(layer.weight, _norm(grad) * grad[..., 0].numel() ** 0.5)
                     self._embedding_rows(layer, forward, x, grad)
                 return None
-            A = x.reshape(forward.rows, -1, x.shape[-1])
-            G = grad.reshape(forward.rows, -1, grad.shape[-1])
+            A, G = _by_row(x, forward.rows), _by_row(grad, forward.rows)
             self._compute_dtypes.update((A.dtype, G.dtype))
             # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
             A, G = as_dtype(A, self.dtype), as_dtype(G, self.dtype)
@@ -463,7 +465,11 @@ class HooksMethod(GramMethod):
                 # .grad and the per-agent gradients are sums of the same per-row products P_b: they differ
                 # only by the order of summation, which Σ_b ‖P_b‖ bounds
                 for i, size in zip((layer.weight, layer.bias), sizes):
-                    if i is not None:
+                    if i is None:
+                        continue
+                    if size is None:  # the sums S are the weight's buffer: their norms are read from it later
+                        self._unmeasured.add(i)
+                    else:
                         self._add_magnitude(i, size)
             return dW, db
 
@@ -489,20 +495,25 @@ class HooksMethod(GramMethod):
         """The step's magnitudes ``S`` by parameter index, as floats, summed once per step with one transfer to
         the host per device (not one per parameter or call: each would be a device sync on a GPU)."""
         if self._resolved is None:
-            by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+            by_device: dict[torch.device, list[tuple[int | list[int], torch.Tensor]]] = {}
             for i, value in self._magnitude:
                 by_device.setdefault(value.device, []).append((i, value.reshape(-1)))
             self._resolved = {}
             for device, parts in by_device.items():
                 values = torch.cat([v for _, v in parts]).double()  # (cat promotes fp32 parts beside fp64 ones)
-                index = torch.tensor([i for i, _ in parts], device=device).repeat_interleave(  # (a list per value:
-                    torch.tensor([len(v) for _, v in parts], device=device), output_size=len(values))  # 0.2 ms a step)
+                ids, counts = [], []  # (a list per value, not per part: 0.2 ms a step)
+                for i, v in parts:
+                    ids += i if isinstance(i, list) else [i]
+                    counts += [1] * len(i) if isinstance(i, list) else [len(v)]
+                index = torch.tensor(ids, device=device).repeat_interleave(
+                    torch.tensor(counts, device=device), output_size=len(values))
                 sums = values.new_zeros(len(self.params)).index_add_(0, index, values).tolist()
-                self._resolved.update((i, sums[i]) for i, _ in parts)
+                self._resolved.update((i, sums[i]) for i in ids)
         return self._resolved
 
-    def _add_magnitude(self, i: int, value: torch.Tensor) -> None:
-        """Add ``value`` (any shape: its entries are summed) to the magnitude ``S`` of ``params[i]``: ``‖G‖_F ‖A‖_F``
+    def _add_magnitude(self, i: int | list[int], value: torch.Tensor) -> None:
+        """Add ``value`` (any shape: its entries are summed; for a list ``i``, (len(i),): one entry per parameter) to
+        the magnitude ``S`` of ``params[i]``: ``‖G‖_F ‖A‖_F``
         per call (≥ ``Σ_tokens ‖G_t‖‖A_t‖`` by Cauchy–Schwarz; for a bias or an embedding ``A_t`` is one), or the
         norms of the products a call formed, which bounds the norm of the rank-one terms that autograd (and this
         method) sum into the gradient, and so scales their rounding error. Summed at ``end`` (:meth:`_magnitudes`):
@@ -518,7 +529,9 @@ class HooksMethod(GramMethod):
         Returns ``(dW, db, sizes)``: the call's weight gradient ``Σ_b G_bᵀ A_b`` (d_out, d_in) and bias
         gradient (d_out,) where the products formed for the agents (per row, or per agent over its
         rows) add up to it, else None; and the norms ``‖P‖_F`` of those products ``P`` (any shape: their sum
-        is the scale of the rounding between the products' sum and the per-agent sums)."""
+        is the scale of the rounding between the products' sum and the per-agent sums) — None for the weight
+        where they are the norms of its per-agent buffer's rows, which hold just this call's sums (read at
+        ``end``, or before a later call adds to them: see :attr:`_unmeasured`)."""
         db = db_size = dW = dW_size = None
         if layer.bias is not None:
             per_row = G.sum(1)                                        # (rows, d_out)
@@ -542,14 +555,17 @@ class HooksMethod(GramMethod):
             self._dense_of(layer.weight)[fwd.single] += dW
             dW_size = torch.linalg.vector_norm(dW)
         elif _per_row(fwd.rows, A.shape[1], d_out, d_in):
-            P = torch.bmm(G.transpose(1, 2), A, out=self._scratch(fwd.rows, d_out, d_in, A))  # (rows, d_out, d_in)
-            S = self._add_by_row(layer.weight, P, fwd)                # (K, d_out·d_in)
+            P, flat = self._scratch(fwd.rows, d_out, d_in, A)        # (rows, d_out, d_in), its (rows, d_out·d_in) view
+            torch.bmm(G.transpose(1, 2), A, out=P)
+            first = layer.weight not in self._dense
+            S = self._add_by_row(layer.weight, flat, fwd)             # (K, d_out·d_in)
             if fwd.unowned is None:
                 # .grad and the per-agent gradients both sum the per-agent sums S_k: Σ_k ‖S_k‖ bounds the
                 # rounding between them (and S is K rows, P many)
-                dW, dW_size = S.sum(0).view(d_out, d_in), torch.linalg.vector_norm(S, dim=1)
+                dW = S.sum(0).view(d_out, d_in)
+                dW_size = None if first else torch.linalg.vector_norm(S, dim=1)
             else:  # rows of no agent: .grad holds their products too (they must be 0: see _unowned_grad)
-                dW, dW_size = P.sum(0), torch.linalg.vector_norm(P.flatten(1), dim=1)
+                dW, dW_size = P.sum(0), torch.linalg.vector_norm(flat, dim=1)
         else:
             D = self._dense_of(layer.weight)
             if fwd.unowned is not None or not fwd.by_agent:  # rows of no agent: autograd's Gᵀ A holds them
@@ -592,8 +608,9 @@ class HooksMethod(GramMethod):
         return per_row.new_zeros(self.n_agents, per_row.shape[1]).index_add_(0, fwd.kept, fwd.owned(per_row))
 
     def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor | None:
-        """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, *shape). Returns the
-        call's per-agent sums S (K, prod(shape)) where the rows are of several agents (or of none), else None.
+        """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, m), m the parameter's
+        size. Returns the call's per-agent sums S (K, m) where the rows are of several agents (or of none), else
+        None.
 
         ``S = onehot @ per_row``: one matmul, which reads the rows once (``index_add_`` and then the rows' sum
         and norms read them three times); on the parameter's first call of the step S is written straight into
@@ -601,15 +618,14 @@ class HooksMethod(GramMethod):
         (0 · NaN = NaN); the step's statistics are NaN either way, and telling the agent apart would cost a
         host read (a device sync) per call."""
         if fwd.single is not None:
-            self._dense_of(i)[fwd.single] += per_row.sum(0)
+            self._flat_dense(i)[fwd.single] += per_row.sum(0)
             return None
         onehot = fwd.onehot(self.n_agents, per_row.dtype)             # (K, rows)
-        per_row = per_row.reshape(fwd.rows, -1)
         if i not in self._dense:
-            D = self._dense[i] = self._buffer(i)
-            return torch.mm(onehot, per_row, out=D.view(self.n_agents, -1))
+            self._dense[i], flat = self._buffer(i)
+            return torch.mm(onehot, per_row, out=flat)
         S = onehot @ per_row
-        self._dense[i].view(self.n_agents, -1).add_(S)
+        self._flat_dense(i).add_(S)
         return S
 
     def _embedding_rows(self, layer: _Layer, fwd: _Forward, ids: torch.Tensor, grad: torch.Tensor,
@@ -630,28 +646,38 @@ class HooksMethod(GramMethod):
         store.scatter(layer.weight, agents[:, None].expand_as(coords).reshape(-1), coords.reshape(-1),
                       G.reshape(-1))
 
-    def _scratch(self, rows: int, d_out: int, d_in: int, like: torch.Tensor) -> torch.Tensor:
-        """A (rows, d_out, d_in) buffer for one call's per-row products, kept across calls and steps: 56 fresh
-        0.5-1 MB products a step on bench_peers' LM otherwise reach the system allocator (occasional bursts of
-        ~3000 page faults a step, measured)."""
+    def _scratch(self, rows: int, d_out: int, d_in: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (rows, d_out, d_in) buffer for one call's per-row products and its (rows, d_out·d_in) view, kept across
+        calls and steps: 56 fresh 0.5-1 MB products a step on bench_peers' LM otherwise reach the system allocator
+        (occasional bursts of ~3000 page faults a step, measured)."""
         key = (rows, d_out, d_in, like.dtype, like.device)
         if key not in self._scratches:
-            self._scratches[key] = torch.empty(rows, d_out, d_in, dtype=like.dtype, device=like.device)
+            flat = torch.empty(rows, d_out * d_in, dtype=like.dtype, device=like.device)
+            self._scratches[key] = flat.view(rows, d_out, d_in), flat
         return self._scratches[key]
 
     def _dense_of(self, i: int) -> torch.Tensor:
-        """(K, *shape) the per-agent gradients of ``params[i]`` this step, zeros at the first use."""
+        """(K, *shape) the per-agent gradients of ``params[i]`` this step, to add to: zeros at the first use."""
         if i not in self._dense:
-            self._dense[i] = self._buffer(i).zero_()
+            self._dense[i] = self._buffer(i)[0].zero_()
+        elif i in self._unmeasured:  # they hold one call's sums S, whose norms are due before anything is added
+            self._unmeasured.discard(i)
+            self._add_magnitude(i, torch.linalg.vector_norm(self._buffers[i][1], dim=1))
         return self._dense[i]
 
-    def _buffer(self, i: int) -> torch.Tensor:
-        """(K, *shape) uninitialised storage for the per-agent gradients of ``params[i]``, kept across steps (no
-        allocation per step)."""
+    def _flat_dense(self, i: int) -> torch.Tensor:
+        """(K, m) :meth:`_dense_of` as one row per agent."""
+        self._dense_of(i)
+        return self._buffers[i][1]
+
+    def _buffer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, *shape) uninitialised storage for the per-agent gradients of ``params[i]`` and its (K, m) view, kept
+        across steps (no allocation per step)."""
         buffer = self._buffers.get(i)
         if buffer is None:
             p = self.params[i]
-            buffer = self._buffers[i] = torch.empty(self.n_agents, *p.shape, dtype=self.dtype, device=p.device)
+            flat = torch.empty(self.n_agents, p.numel(), dtype=self.dtype, device=p.device)
+            buffer = self._buffers[i] = flat.view(self.n_agents, *p.shape), flat
         return buffer
 
     def _materialise(self, layer: _Layer) -> None:
@@ -1026,6 +1052,10 @@ class HooksMethod(GramMethod):
                         stacked[r] = precise
             index = torch.tensor([self.group_index[pending[j][0]] for j in js], device=device)
             grams += torch.zeros_like(grams, device=device).index_add_(0, index, stacked).cpu()
+            unmeasured = [r for r, j in enumerate(js) if pending[j][0] in self._unmeasured]
+            if unmeasured:  # Σ_k ‖S_k‖ of a buffer holding one call's sums S: from its Gram's diagonal
+                self._add_magnitude([pending[js[r]][0] for r in unmeasured],
+                                    stacked[unmeasured].diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().sum(1))
             if per_param is not None:
                 for r, j in enumerate(js):
                     per_param[pending[j][0]] = stacked[r].cpu().numpy()
@@ -1065,6 +1095,7 @@ class HooksMethod(GramMethod):
 
     def _reset(self) -> None:
         self._dense, self._grad0, self._magnitude, self._resolved = {}, [], [], None
+        self._unmeasured = set()
         self._in_call, self._aux, self._outside = False, False, False
         self._unowned_grad = None
         self._check, self._checkable, self._unverified, self._checked_calls = None, True, [], 0
@@ -1151,6 +1182,11 @@ def _guessed(piece: _Piece) -> str:
            f"the only dimension of its input of size B = {B} is dimension {dims[0]}, not the leading one: the batch "
            "of a sequence-first (T, B, d) input, or the sequence axis of a chunk of the batch with T == B")
     return f"layer {piece.layer.name!r}: {why}; dimension {piece.dim} is taken as the batch one by its size only"
+
+
+def _by_row(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` (..., d) as (rows, T, d), without a reshape op where it already is (hundreds of calls a step)."""
+    return x if x.dim() == 3 and x.shape[0] == rows else x.reshape(rows, -1, x.shape[-1])
 
 
 def _per_row(rows: int, T: int, d_out: int, d_in: int) -> bool:

@@ -353,6 +353,39 @@ def test_per_agent_buffers_reused_across_steps_start_from_the_step_s_first_call(
         probe.close()
 
 
+@pytest.mark.parametrize("n_calls", [1, 2])
+def test_the_add_up_check_s_magnitude_is_the_norms_of_each_call_s_per_agent_sums(n_calls):
+    """Unchecked per-row steps: a weight's magnitude S (the scale of the add-up check's rounding allowance) is
+    Σ_calls Σ_k ‖S_k‖, S_k agent k's part of a call's gradient (autograd per call and agent). A weight's first
+    call leaves its norms to be read from its buffer: at ``end``, or before a second call adds to it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4, bias=False), nn.Tanh(), nn.Linear(4, 3, bias=False)).double()
+    weights = [model[0].weight, model[2].weight]
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 5, 6, generator=g, dtype=torch.float64) for _ in range(n_calls)]
+    agent_ids = [torch.tensor(rows)[:, None].expand(4, 5) for rows in ([0, 1, 2, 0], [2, 2, 3, 1])[:n_calls]]
+    expected = np.zeros(2)
+    for x, ids in zip(xs, agent_ids):
+        loss = model(x).square().mean(-1)
+        for k in range(4):
+            if (ids == k).any():
+                parts = torch.autograd.grad(loss[ids == k].sum(), weights, retain_graph=True)
+                expected += [float(part.norm()) for part in parts]
+    probe = Probe(model, AGENTS, ROLES, method="hooks", check_every=None)
+    method, seen = probe._method, []
+    resolve = method._magnitudes
+    method._magnitudes = lambda: seen.append(resolve()) or seen[-1]
+    try:
+        with probe.step(0) as s:
+            for x, ids in zip(xs, agent_ids):
+                s.backward_tokens(model(x).square().mean(-1), ids)
+    finally:
+        probe.close()
+    assert s.result.method == "hooks" and seen
+    index = [next(i for i, p in enumerate(method.params) if p is w) for w in weights]
+    assert np.allclose([seen[0][i] for i in index], expected, rtol=1e-9)
+
+
 @pytest.mark.parametrize("products", ["per-row", "per-agent"])
 @pytest.mark.parametrize("last_row", [2, -1], ids=["owned", "unowned"])
 @pytest.mark.parametrize("ghost", GHOST)
