@@ -2,13 +2,13 @@
 
 Two model copies differ by up to ±0.03 of a plain step on the LoRA LM of bench_peers.py (where the allocator
 places each copy's tensors), more than most single changes to hooks are worth. Here both versions of
-``gradscope/probe/hooks.py`` — the working tree's and ``REV``'s — run on the same model copy and the same
-probe: the probe's method switches class between steps, its layer hooks with it (its state is the same for both,
-but for the caches it keeps across steps, each class's own). Plain runs on a
-second copy, interleaved with both (order rotated every repetition), CPU time per step, medians after warm-up.
+``gradscope/probe/hooks.py`` and ``fused.py`` — the working tree's and ``REV``'s — run on the same model copy
+and the same probe: the probe's method switches class between steps, its layer hooks and installed forwards
+with it (its state is the same for both, but for the caches it keeps across steps: each class's own). Plain
+runs on a second copy, interleaved with both (order rotated every repetition), CPU time per step, medians
+after warm-up. One process's difference still varies by about ±0.01: judge by several.
 
-Prints the ratios to plain and their difference (negative: the working tree is faster). Judge a change by
-the sign of the difference over several processes, not by one.
+Prints the ratios to plain and their difference (negative: the working tree is faster).
 
 Run: ``.venv/bin/python benchmarks/bench_hooks_ab.py [--rev HEAD] [--agents 8] [--reps 20]``.
 """
@@ -31,14 +31,22 @@ from bench_peers import Runner, Workload
 from bench_probe import interleaved
 
 
-def hooks_at(rev: str) -> types.ModuleType:
-    """``gradscope/probe/hooks.py`` as it is at git revision ``rev``, as a module of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:gradscope/probe/hooks.py"], capture_output=True, text=True,
+def module_at(rev: str, name: str) -> types.ModuleType:
+    """``gradscope/probe/<name>.py`` as it is at git revision ``rev``, as a module of its own."""
+    source = subprocess.run(["git", "show", f"{rev}:gradscope/probe/{name}.py"], capture_output=True, text=True,
                             check=True).stdout
-    module = types.ModuleType(f"hooks_at_{rev}")
+    module = types.ModuleType(f"{name}_at_{rev}")
     sys.modules[module.__name__] = module  # (dataclasses look their module up)
-    exec(compile(source, f"hooks.py@{rev}", "exec"), module.__dict__)
+    exec(compile(source, f"{name}.py@{rev}", "exec"), module.__dict__)
     return module
+
+
+def hooks_at(rev: str) -> types.ModuleType:
+    """``hooks.py`` at ``rev``, using ``fused.py`` at ``rev`` (the layers' forward and backward)."""
+    fused = module_at(rev, "fused")
+    hooks = module_at(rev, "hooks")
+    hooks.fused, hooks.as_dtype = fused, fused.as_dtype  # (its imports found the working tree's fused.py)
+    return hooks
 
 
 #: The method's caches kept across steps: each class keeps its own (their layout may differ between revisions).
@@ -52,7 +60,9 @@ def switch(method: object, cls: type, caches: dict[type, dict[str, object]]) -> 
     for name, value in caches.get(cls, {name: {} for name in CACHES}).items():
         setattr(method, name, value)
     method.__class__ = cls
+    installed_cls = sys.modules[cls.__module__].fused.Installed
     for installed in method._installed:  # fused.Installed: on_call = partial(method._on_forward, layer)
+        installed.__class__ = installed_cls  # (its HookedLinear is the one cls's module recognises)
         installed.on_call = partial(method._on_forward, *installed.on_call.args)
     for handle in method._handles:  # the model's pre-hook, and forward hooks partial(_on_forward_hook, layer)
         hooks = handle.hooks_dict_ref()
