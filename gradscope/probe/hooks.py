@@ -562,8 +562,10 @@ class HooksMethod(GramMethod):
             if fwd.unowned is None:
                 # .grad and the per-agent gradients both sum the per-agent sums S_k: Σ_k ‖S_k‖ bounds the
                 # rounding between them (and S is K rows, P many)
-                dW = S.sum(0).view(d_out, d_in)
-                dW_size = None if first else torch.linalg.vector_norm(S, dim=1)
+                if first:  # S is the buffer, whose (K, d_out, d_in) view is at hand
+                    dW, dW_size = self._dense[layer.weight].sum(0), None
+                else:
+                    dW, dW_size = S.sum(0).view(d_out, d_in), torch.linalg.vector_norm(S, dim=1)
             else:  # rows of no agent: .grad holds their products too (they must be 0: see _unowned_grad)
                 dW, dW_size = P.sum(0), torch.linalg.vector_norm(flat, dim=1)
         else:
@@ -1033,7 +1035,7 @@ class HooksMethod(GramMethod):
                 continue
             rows = [torch.cat(parts) for parts in zip(*layer.rows)]
             pending.append((layer.weight, _touched_rows_gram if layer.embedding else _ghost_gram, rows))
-        pending += [(i, _flat_gram, [D.reshape(self.n_agents, -1)]) for i, D in self._dense.items()]
+        pending += [(i, _flat_gram, [self._buffers[i][1]]) for i in self._dense]  # (K, m) views of the buffers
         computed = [gram_of(*rows, self.n_agents) for _, gram_of, rows in pending]  # (K, K) each
         grams = torch.zeros(self.n_groups, self.n_agents, self.n_agents, dtype=torch.float64)
         on: dict[torch.device, list[int]] = {}
@@ -1105,9 +1107,13 @@ class HooksMethod(GramMethod):
     def _deltas(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(i, Δ.grad)`` of every parameter with a gradient: what this step added to ``.grad``."""
         for i, p in enumerate(self.params):
-            if p.grad is not None:
-                g0 = self._grad0[i]
-                yield i, p.grad.detach() if g0 is None else p.grad.detach().double() - g0.double()
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.requires_grad:  # (a backward with create_graph)
+                grad = grad.detach()
+            g0 = self._grad0[i]
+            yield i, grad if g0 is None else grad.double() - g0.double()
 
     def _ghost_params(self) -> set[int]:
         """The weights still in ghost form (their Gram is summed from token-pair products)."""
