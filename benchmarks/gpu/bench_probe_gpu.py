@@ -1,7 +1,9 @@
 """The probe's cost on a GPU: a Qwen3-0.6B-shaped LM with LoRA r64, bf16 and fp32, K = 4 and 8 agents.
 
 Per dtype and K, each method on its own copy of the model, interleaved after warm-up, CUDA-synchronised
-medians and the peak of ``torch.cuda.max_memory_allocated`` per method:
+medians and, per method, the rise of ``torch.cuda.max_memory_allocated`` over a timed step (``peak``), over
+its first step (``first peak``: hooks' self-check keeps the graph for one backward per agent) and the
+memory the probe keeps between steps (``kept``: per-agent buffers and scratch, not in the rises):
 
 * ``plain``  ``token_loss.sum().backward()``;
 * ``hooks``  ``Probe(method="hooks")`` (one backward; the first step's self-check is in the warm-up);
@@ -78,6 +80,7 @@ def bench(shape: str, dtype: torch.dtype, K: int, B: int, T: int, warmup: int, r
               for m in ("hooks", "split")}
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     peak: dict[str, float] = {m: 0.0 for m in METHODS}
+    first_peak: dict[str, float] = {}
     grams = {}
     for rep in range(warmup + reps):
         order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
@@ -97,16 +100,36 @@ def bench(shape: str, dtype: torch.dtype, K: int, B: int, T: int, warmup: int, r
                     s.backward_tokens(loss, agent_ids)
                 grams[m] = s.result.gram
             sync(device)
+            rise = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else 0.0
+            if rep == 0:
+                first_peak[m] = rise
             if rep >= warmup:
                 times[m].append(time.perf_counter() - t0)
-            if device.type == "cuda":
-                peak[m] = max(peak[m], (torch.cuda.max_memory_allocated(device) - base) / 2**20)
+                peak[m] = max(peak[m], rise)
+    kept = {m: kept_mib(probes[m]) if m in probes else 0.0 for m in METHODS}
     for probe in probes.values():
         probe.close()
     med = {m: statistics.median(t) for m, t in times.items()}
     err = float(np.abs(grams["hooks"] - grams["split"]).max() / np.abs(grams["split"]).max())
     return {"median_s": med, "ratio": {m: med[m] / med["plain"] for m in med}, "peak_mib": peak,
-            "hooks_vs_split": err}
+            "first_peak_mib": first_peak, "kept_mib": kept, "hooks_vs_split": err}
+
+
+def kept_mib(probe: Probe) -> float:
+    """MiB of the tensors the probe's method holds between steps (in its attributes' dicts, lists and tuples;
+    the model's parameters excluded), each storage once."""
+    storages: dict[int, int] = {}
+    todo = list(vars(probe._method).values())
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+        elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / 2**20
 
 
 def main() -> None:
@@ -131,9 +154,10 @@ def main() -> None:
         for K in (4, 8):
             r = bench(shape, dtype, K, B, T, warmup, reps, device)
             print(f"{str(dtype).removeprefix('torch.')}, K={K}: Gram hooks vs split {r['hooks_vs_split']:.1e}")
-            print(f"  {'method':<8}{'ms':>10}{'x plain':>9}{'peak MiB':>10}")
+            print(f"  {'method':<8}{'ms':>10}{'x plain':>9}{'peak MiB':>10}{'first peak':>12}{'kept MiB':>10}")
             for m in METHODS:
-                print(f"  {m:<8}{r['median_s'][m] * 1e3:10.1f}{r['ratio'][m]:9.2f}{r['peak_mib'][m]:10.0f}")
+                print(f"  {m:<8}{r['median_s'][m] * 1e3:10.1f}{r['ratio'][m]:9.2f}{r['peak_mib'][m]:10.0f}"
+                      f"{r['first_peak_mib'][m]:12.0f}{r['kept_mib'][m]:10.1f}")
             verdicts.append(f"{str(dtype).removeprefix('torch.')} K={K}: hooks {r['ratio']['hooks']:.3f}x "
                             f"{'meets' if r['ratio']['hooks'] <= GOAL else 'MISSES'} <= {GOAL}")
     print("goal: " + "; ".join(verdicts))
