@@ -288,8 +288,8 @@ class HooksMethod(GramMethod):
         self._missed = False
         self._reentrant = False
         self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
-        self._dense: dict[int, torch.Tensor] = {}  # param index → (K, *shape) per-agent gradients, this step
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their storage, kept across steps (_buffer)
+        self._dense: set[int] = set()  # param indices whose buffer holds this step's per-agent gradients
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # those buffers, kept across steps (_buffer)
         self._unmeasured: set[int] = set()  # dense weights holding one call's sums S whose norms are not yet read
         self._scratches: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per-row product buffers (_scratch)
         self._grad0: list[torch.Tensor | None] = []
@@ -563,7 +563,7 @@ class HooksMethod(GramMethod):
                 # .grad and the per-agent gradients both sum the per-agent sums S_k: Σ_k ‖S_k‖ bounds the
                 # rounding between them (and S is K rows, P many)
                 if first:  # S is the buffer, whose (K, d_out, d_in) view is at hand
-                    dW, dW_size = self._dense[layer.weight].sum(0), None
+                    dW, dW_size = self._buffers[layer.weight][0].sum(0), None
                 else:
                     dW, dW_size = S.sum(0).view(d_out, d_in), torch.linalg.vector_norm(S, dim=1)
             else:  # rows of no agent: .grad holds their products too (they must be 0: see _unowned_grad)
@@ -624,8 +624,8 @@ class HooksMethod(GramMethod):
             return None
         onehot = fwd.onehot(self.n_agents, per_row.dtype)             # (K, rows)
         if i not in self._dense:
-            self._dense[i], flat = self._buffer(i)
-            return torch.mm(onehot, per_row, out=flat)
+            self._dense.add(i)
+            return torch.mm(onehot, per_row, out=self._buffer(i)[1])
         S = onehot @ per_row
         self._flat_dense(i).add_(S)
         return S
@@ -661,11 +661,12 @@ class HooksMethod(GramMethod):
     def _dense_of(self, i: int) -> torch.Tensor:
         """(K, *shape) the per-agent gradients of ``params[i]`` this step, to add to: zeros at the first use."""
         if i not in self._dense:
-            self._dense[i] = self._buffer(i)[0].zero_()
+            self._dense.add(i)
+            self._buffer(i)[0].zero_()
         elif i in self._unmeasured:  # they hold one call's sums S, whose norms are due before anything is added
             self._unmeasured.discard(i)
             self._add_magnitude(i, torch.linalg.vector_norm(self._buffers[i][1], dim=1))
-        return self._dense[i]
+        return self._buffers[i][0]
 
     def _flat_dense(self, i: int) -> torch.Tensor:
         """(K, m) :meth:`_dense_of` as one row per agent."""
@@ -1096,7 +1097,7 @@ class HooksMethod(GramMethod):
                 del _HOOKED[layer.module]
 
     def _reset(self) -> None:
-        self._dense, self._grad0, self._magnitude, self._resolved = {}, [], [], None
+        self._dense, self._grad0, self._magnitude, self._resolved = set(), [], [], None
         self._unmeasured = set()
         self._in_call, self._aux, self._outside = False, False, False
         self._unowned_grad = None
