@@ -51,7 +51,7 @@ from gradscope.alerts import Alert, Monitor
 from gradscope.alerts.cli import collect_rules
 from gradscope.errors import ConfigError, GradscopeError
 from gradscope.probe import Probe
-from gradscope.probe.hooks import supported
+from gradscope.probe.layers import supported
 from gradscope.probe.probe import StepResult
 from gradscope.runfile import RunMeta, RunWriter
 

@@ -78,23 +78,25 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradscope.errors import ProbeError
 from gradscope.probe import fused
 from gradscope.probe.distributed import all_reduce_max, all_reduce_sum_
 from gradscope.probe.fused import as_dtype
+from gradscope.probe.grams import flat_gram, ghost_gram, in_float64, touched_rows_gram
+from gradscope.probe.layers import Layer, find_layers
 from gradscope.probe.method import GramMethod, Terms
+from gradscope.probe.rows import Fallback, Forward, Piece, by_row, guessed, in_backward, reachable_nodes
 from gradscope.probe.split import Grads, backward_per_agent
 from gradscope.probe.store import FlatStore, Store, each_squared_norm, squared_norms
+from gradscope.probe.tolerance import add_up_tolerance, differs, least_precise
 
 #: A full weight uses the ghost form while N·(d_in + d_out) < GHOST_FACTOR · d_in·d_out.
 GHOST_FACTOR = 1.0
@@ -107,132 +109,6 @@ PRECISE_BELOW = 1e-20
 _NO_CONTEXT = nullcontext()
 #: The layers an open hooks probe holds (module → its method): a newer probe on one of them closes the older.
 _HOOKED: "weakref.WeakKeyDictionary[nn.Module, HooksMethod]" = weakref.WeakKeyDictionary()
-
-
-def supported(module: nn.Module) -> bool:
-    """Layers whose parameters hooks can attribute: exactly ``nn.Linear`` or a plain ``nn.Embedding``.
-
-    Subclasses are excluded on purpose: some (``nn.MultiheadAttention.out_proj``) are used without
-    calling their ``forward``, so a hook would never see them.
-    """
-    if type(module) is nn.Linear:
-        return True
-    return type(module) is nn.Embedding and not module.scale_grad_by_freq and not module.sparse
-
-
-def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list["_Layer"], list[int]]:
-    """The hookable layers holding ``params``, and the indices of the parameters none covers.
-
-    A parameter is covered when exactly one module of ``model`` holds it and that module is
-    :func:`supported` (a weight tied between two modules is not).
-    """
-    index = {id(p): i for i, p in enumerate(params)}
-    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in index:
-                owners.setdefault(index[id(p)], []).append((module_name, module, name))
-    layers: dict[int, _Layer] = {}
-    uncovered = []
-    for i in range(len(params)):
-        held = {id(m): (n, m, p) for n, m, p in owners.get(i, [])}  # one module reached by two paths is one
-        if len(held) != 1:
-            uncovered.append(i)
-            continue
-        module_name, module, name = next(iter(held.values()))
-        if not supported(module) or name not in ("weight", "bias"):
-            uncovered.append(i)
-            continue
-        layer = layers.setdefault(id(module), _Layer(module, module_name or type(module).__name__))
-        setattr(layer, name, i)
-    return list(layers.values()), uncovered
-
-
-@dataclass(eq=False)
-class _Layer:
-    """A hooked module, the indices of its probed parameters, and this step's ghost / embedding rows."""
-
-    module: nn.Module
-    name: str
-    weight: int | None = None
-    bias: int | None = None
-    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    n_rows: int = 0  # tokens in ``rows``
-    batch_dim: int | None = None  # verified by a passed self-check where the shape left a choice
-
-    @property
-    def embedding(self) -> bool:
-        return isinstance(self.module, nn.Embedding)
-
-
-@dataclass(eq=False)
-class _Forward:
-    """One grad-enabled forward of the model: its layer calls and the agent of each of its rows."""
-
-    tag: torch.Tensor | None = None   # (B,) agents given with the forward (s.rows), or None
-    batch_dim: int | None = None      # given with the tag
-    pieces: list["_Piece"] = field(default_factory=list)
-    consumed: bool = False            # a backward has reached it
-    rows: int = 0
-    agents: torch.Tensor | None = None  # (rows,) agent per row, -1 for none; set for a hooks call
-    keep: torch.Tensor | None = None    # indices of the rows with an agent
-    n_kept: int = 0                     # their number
-    kept: torch.Tensor | None = None    # their agents
-    single: int | None = None           # the agent, when every row is that agent's
-    mixed: bool = False                 # rows of several agents (or of none): attribution depends on the rows
-    by_agent: dict[int, torch.Tensor] = field(default_factory=dict)  # row indices per agent
-    unowned: torch.Tensor | None = None  # indices of rows of no agent (their gradient must be 0)
-    _onehot: torch.Tensor | None = None  # (onehot's cache)
-
-    def onehot(self, n_agents: int, dtype: torch.dtype) -> torch.Tensor:
-        """(K, rows) ``[agent(b) == k]`` in ``dtype`` (a row of no agent: a zero column), made once per forward."""
-        if self._onehot is None or self._onehot.dtype != dtype:
-            self._onehot = (self.agents[None, :] == torch.arange(n_agents, device=self.agents.device)[:, None]).to(dtype)
-        return self._onehot
-
-    def owned(self, per_row: torch.Tensor) -> torch.Tensor:
-        """The rows with an agent of ``per_row`` (rows, ...): itself, not a gathered copy, when every row has one."""
-        return per_row if self.n_kept == self.rows else per_row[self.keep]
-
-    def attach(self, agents: torch.Tensor) -> None:
-        self.rows = len(agents)
-        self.agents = agents
-        self.keep = (agents >= 0).nonzero().squeeze(1)
-        self.kept = agents[self.keep]
-        self.n_kept = len(self.keep)
-        present = sorted(set(agents.tolist()))
-        self.mixed = len(present) > 1
-        self.single = present[0] if len(present) == 1 and present[0] >= 0 else None
-        self.by_agent = {k: (agents == k).nonzero().squeeze(1) for k in present if k >= 0}
-        self.unowned = (agents < 0).nonzero().squeeze(1) if -1 in present and len(present) > 1 else None
-        self._onehot = None
-
-    def release(self) -> None:
-        """Let go of the calls' inputs and graph edges (see :meth:`HooksMethod._prune`)."""
-        for piece in self.pieces:
-            piece.inputs = piece.edge = None
-
-
-@dataclass(eq=False, slots=True)
-class _Piece:
-    """One call of a hooked layer, waiting for its output gradient."""
-
-    layer: _Layer
-    forward: _Forward
-    inputs: torch.Tensor | None
-    dim: int = 0              # the batch dimension of ``inputs``
-    ambiguous: bool = False   # the batch dimension is a guess by size (see _match), not verified
-    candidates: tuple = ()    # the input's dimensions of size B
-    edge: object = None       # the output's GradientEdge: reachable from a loss? its gradient (self-check)
-    trained: tuple | None = None  # (weight, bias) the call trained, where a probed one was frozen when it ran
-
-
-class _Fallback(Exception):
-    """A call hooks cannot attribute: ``reason`` (a PROBE_METHODS suffix) and what to tell the user."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class HooksMethod(GramMethod):
@@ -276,9 +152,9 @@ class HooksMethod(GramMethod):
                           for layer in self.layers if id(layer.module) not in installed]
         for layer in self.layers:
             _HOOKED[layer.module] = self
-        self._forwards: list[_Forward] = []
+        self._forwards: list[Forward] = []
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
-        self._tagged: _Forward | None = None  # the forward its layer calls go to
+        self._tagged: Forward | None = None  # the forward its layer calls go to
         self._new_forward = True
         self._in_call = False
         self._own = False  # a split fallback's or the self-check's backward is running
@@ -304,14 +180,14 @@ class HooksMethod(GramMethod):
         self._check: Store | None = None      # split's per-agent gradients of a step being checked
         self._checkable = True
         self._told_unverifiable = False  # the scalar-loss warning was given (once per probe)
-        self._unverified: list[_Piece] = []   # calls whose batch dimension the check must confirm
+        self._unverified: list[Piece] = []   # calls whose batch dimension the check must confirm
         self._checked_calls = 0               # this step's hooks-attributed calls the check also measured
         self.warnings: list[str] = []         # of the step that just ended
         self.record = "hooks"                 # of the step that just ended (a PROBE_METHODS name)
 
     # ------------------------------------------------------------------ hooks
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or in_backward():
             return
         if self._tag is None:
             self._new_forward = True
@@ -323,21 +199,21 @@ class HooksMethod(GramMethod):
         n = first.shape[dim] if first is not None and first.dim() > dim else len(agents) - offset
         if offset + n > len(agents):
             raise ProbeError(f"the model calls inside s.rows(...) hold more rows than its {len(agents)} agents")
-        self._tagged = _Forward(tag=agents[offset:offset + n], batch_dim=batch_dim)
+        self._tagged = Forward(tag=agents[offset:offset + n], batch_dim=batch_dim)
         self._forwards.append(self._tagged)
         self._tag = (agents, batch_dim, offset + n)
 
-    def _on_forward_hook(self, layer: _Layer, module: nn.Module, args: tuple, kwargs: dict,
+    def _on_forward_hook(self, layer: Layer, module: nn.Module, args: tuple, kwargs: dict,
                          output: torch.Tensor) -> None:
         if not args:  # called by keyword (emb(input=ids)): the input is the first tensor argument
             args = tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
         if args:
             self._on_forward(layer, module, args, output)
 
-    def _on_forward(self, layer: _Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    def _on_forward(self, layer: Layer, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
-        if _in_backward():  # a checkpoint recomputing a call already seen (see "Gradient checkpointing")
+        if in_backward():  # a checkpoint recomputing a call already seen (see "Gradient checkpointing")
             if self._in_call:
                 output.register_hook(self._on_recomputed_grad)
             return
@@ -345,7 +221,7 @@ class HooksMethod(GramMethod):
         if forward is None:
             if self._new_forward or not self._forwards or self._forwards[-1].tag is not None \
                     or self._forwards[-1].consumed:
-                self._forwards.append(_Forward())
+                self._forwards.append(Forward())
                 self._new_forward = False
             forward = self._forwards[-1]
         # (the output is never a leaf: its edge is its grad_fn; get_gradient_edge's checks cost ~40 µs a call)
@@ -353,7 +229,7 @@ class HooksMethod(GramMethod):
         trained = self._trained(layer.weight, layer.bias)
         if trained == (None, None):
             return  # every probed parameter frozen since the probe was built: nothing of this call to attribute
-        piece = _Piece(layer, forward, args[0].detach(), edge=edge,
+        piece = Piece(layer, forward, args[0].detach(), edge=edge,
                        trained=None if trained == (layer.weight, layer.bias) else trained)
         forward.pieces.append(piece)
         if fused.is_hooked(output):
@@ -373,7 +249,7 @@ class HooksMethod(GramMethod):
             raise ProbeError("s.rows(...) blocks cannot nest")
         self._prune(lambda f: not f.consumed)
         self._tag = (agents, batch_dim, 0)
-        self._tagged = _Forward(tag=agents, batch_dim=batch_dim)  # replaced at the first model call
+        self._tagged = Forward(tag=agents, batch_dim=batch_dim)  # replaced at the first model call
         try:
             yield
             used = self._tag[2]
@@ -390,10 +266,10 @@ class HooksMethod(GramMethod):
         recomputation, never through the call the hooks attributed."""
         self._reentrant = True
 
-    def _on_grad_hook(self, piece: _Piece, grad: torch.Tensor) -> None:
+    def _on_grad_hook(self, piece: Piece, grad: torch.Tensor) -> None:
         self._on_grad(piece, grad, fused=False)  # a tensor hook: returns None, so the gradient goes on unchanged
 
-    def _on_grad(self, piece: _Piece, grad: torch.Tensor,
+    def _on_grad(self, piece: Piece, grad: torch.Tensor,
                  fused: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """A hooked call's output gradient ``grad``; for a :class:`fused.HookedLinear` call (``fused``), the weight
         and bias gradients when the per-row products give them (None where autograd must compute them)."""
@@ -421,8 +297,8 @@ class HooksMethod(GramMethod):
                 None if bias is None or not params[bias].requires_grad else bias)
 
     @contextmanager
-    def _as_trained(self, piece: _Piece) -> Iterator[None]:
-        """The call's layer with only the parameters the call trained (see :attr:`_Piece.trained`)."""
+    def _as_trained(self, piece: Piece) -> Iterator[None]:
+        """The call's layer with only the parameters the call trained (see :attr:`Piece.trained`)."""
         layer = piece.layer
         if piece.trained is None:
             yield
@@ -434,7 +310,7 @@ class HooksMethod(GramMethod):
         finally:
             layer.weight, layer.bias = probed
 
-    def _attribute(self, piece: _Piece, x: torch.Tensor, grad: torch.Tensor,
+    def _attribute(self, piece: Piece, x: torch.Tensor, grad: torch.Tensor,
                    fused: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """:meth:`_on_grad`'s work for a call of this probed backward: its per-agent contributions."""
         forward = piece.forward
@@ -450,7 +326,7 @@ class HooksMethod(GramMethod):
                     self._add_magnitude(layer.weight, _norm(grad) * grad[..., 0].numel() ** 0.5)
                     self._embedding_rows(layer, forward, x, grad)
                 return None
-            A, G = _by_row(x, forward.rows), _by_row(grad, forward.rows)
+            A, G = by_row(x, forward.rows), by_row(grad, forward.rows)
             self._compute_dtypes.update((A.dtype, G.dtype))
             # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
             A, G = as_dtype(A, self.dtype), as_dtype(G, self.dtype)
@@ -473,7 +349,7 @@ class HooksMethod(GramMethod):
                         self._add_magnitude(i, size)
             return dW, db
 
-    def _linear_magnitudes(self, layer: _Layer, x: torch.Tensor, grad: torch.Tensor,
+    def _linear_magnitudes(self, layer: Layer, x: torch.Tensor, grad: torch.Tensor,
                            norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The magnitudes of a Linear call's token terms (``‖G‖_F ‖A‖_F``; bias ``√N ‖G‖_F``); ``norms``: ``‖G‖_F``
         and ``‖A‖_F`` over the rows with an agent where the store computed them (rows without one must get
@@ -521,7 +397,7 @@ class HooksMethod(GramMethod):
         self._magnitude.append((i, value))
 
     # ------------------------------------------------------------------ per-agent contributions
-    def _linear(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
+    def _linear(self, layer: Layer, fwd: Forward, A: torch.Tensor, G: torch.Tensor,
                 x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
         """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent; ``x`` is the
         layer's input A comes from (rows kept until ``end`` must not be views of it).
@@ -583,7 +459,7 @@ class HooksMethod(GramMethod):
             dW_size = torch.stack(sizes)
         return dW, db, (dW_size, db_size)
 
-    def _linear_to_store(self, layer: _Layer, fwd: _Forward, A: torch.Tensor, G: torch.Tensor,
+    def _linear_to_store(self, layer: Layer, fwd: Forward, A: torch.Tensor, G: torch.Tensor,
                          store: Store | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Hand ``store`` (default: the method's) one call's per-agent contributions (A: (rows, T, d_in),
         G: (rows, T, d_out)); ``(‖G‖_F, ‖A‖_F)`` of the rows with an agent where the store took them on the way."""
@@ -604,12 +480,12 @@ class HooksMethod(GramMethod):
         return store.add_outer(layer.weight, token_agents, fwd.owned(G).flatten(0, 1), fwd.owned(A).flatten(0, 1),
                                bias=layer.bias if fold else None)
 
-    def _sum_by_agent(self, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor:
+    def _sum_by_agent(self, per_row: torch.Tensor, fwd: Forward) -> torch.Tensor:
         """(K, m): row b of ``per_row`` (rows, ...) flattened and added to its agent's row."""
         per_row = per_row.reshape(fwd.rows, -1)
         return per_row.new_zeros(self.n_agents, per_row.shape[1]).index_add_(0, fwd.kept, fwd.owned(per_row))
 
-    def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: _Forward) -> torch.Tensor | None:
+    def _add_by_row(self, i: int, per_row: torch.Tensor, fwd: Forward) -> torch.Tensor | None:
         """``dense[i][agent(b)] += per_row[b]`` for every row b with an agent; per_row: (rows, m), m the parameter's
         size. Returns the call's per-agent sums S (K, m) where the rows are of several agents (or of none), else
         None.
@@ -630,7 +506,7 @@ class HooksMethod(GramMethod):
         self._flat_dense(i).add_(S)
         return S
 
-    def _embedding_rows(self, layer: _Layer, fwd: _Forward, ids: torch.Tensor, grad: torch.Tensor,
+    def _embedding_rows(self, layer: Layer, fwd: Forward, ids: torch.Tensor, grad: torch.Tensor,
                         store: Store | None = None) -> None:
         """The token rows (ids, G, agent) of the rows with an agent, kept for ``end`` or, with a store
         (``store``, else the method's), added to it at once; padding_idx gets no gradient."""
@@ -683,7 +559,7 @@ class HooksMethod(GramMethod):
             buffer = self._buffers[i] = flat.view(self.n_agents, *p.shape), flat
         return buffer
 
-    def _materialise(self, layer: _Layer) -> None:
+    def _materialise(self, layer: Layer) -> None:
         """Turn the layer's kept token rows into dense per-agent gradients."""
         if not layer.rows or layer.weight is None:
             return
@@ -766,16 +642,16 @@ class HooksMethod(GramMethod):
         self._refuse_after_failed_check()
         try:
             if self.failed_check:
-                raise _Fallback("check-failed", "hooks failed its self-check earlier")
+                raise Fallback("check-failed", "hooks failed its self-check earlier")
             live = self._match(live, row_agents, loss)
             checking = self._check is not None and terms is not None
             ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
             if ambiguous and not checking:  # no check in this call to tell which dimension is the batch one
                 if self.check_every is not None and not self.failed_check:
                     self._steps_since_check = None  # the next probed step checks (and fixes) the dimension
-                raise _Fallback("unmatched-rows", f"{_guessed(ambiguous[0])} and no self-check runs in this call to "
+                raise Fallback("unmatched-rows", f"{guessed(ambiguous[0])} and no self-check runs in this call to "
                                 "confirm it; tag the forward with s.rows(agent_of_row, batch_dim=d)")
-        except _Fallback as fb:
+        except Fallback as fb:
             if terms is None:
                 self._prune(lambda f: f is self._tagged)
                 raise ProbeError(f"hooks cannot attribute this loss: {fb}; and split cannot split a scalar loss. "
@@ -813,27 +689,27 @@ class HooksMethod(GramMethod):
         if checking:
             self._check_call(calls, terms(), loss, retain_graph)
 
-    def _match(self, live: list[_Forward], row_agents: torch.Tensor | None, loss: torch.Tensor) -> list[_Forward]:
+    def _match(self, live: list[Forward], row_agents: torch.Tensor | None, loss: torch.Tensor) -> list[Forward]:
         """Give every forward the loss reaches the agents of its rows and every layer call its batch
         dimension; returns those forwards."""
         if len(live) > 1:  # forwards never back-propagated (stale, tagged or not) are no candidates
-            reachable = _reachable_nodes(loss)
+            reachable = reachable_nodes(loss)
             live = [f for f in live if any(id(p.edge.node) in reachable for p in f.pieces)]
         if not live and self._aux:
-            raise _Fallback("unmatched-rows", "the forward was already back-propagated by a backward outside the "
+            raise Fallback("unmatched-rows", "the forward was already back-propagated by a backward outside the "
                                               "probe (torch.autograd.grad or .backward() of another loss, e.g. a "
                                               "regulariser's); hooks attributes only a forward's first backward")
         if not live:
-            raise _Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
+            raise Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
                                               "since the previous backward (a forward made before the previous "
                                               "backward is not kept: run each forward just before its backward; "
                                               "or reentrant gradient checkpointing, use_reentrant=True, ran the "
                                               "checkpointed layers without grad: use use_reentrant=False)")
         if row_agents is None:  # also for tagged forwards: a row's gradient mixes its agents, whatever its tag
-            raise _Fallback("mixed-rows", "a row holds tokens of several agents")
+            raise Fallback("mixed-rows", "a row holds tokens of several agents")
         untagged = [f for f in live if f.tag is None]
         if untagged and len(live) > 1:
-            raise _Fallback("untagged-forwards", f"{len(live)} forwards of the model since the previous backward, "
+            raise Fallback("untagged-forwards", f"{len(live)} forwards of the model since the previous backward, "
                             f"{len(untagged)} without row tags: their rows cannot be matched to the loss's rows "
                             "without trusting call order; tag each forward: with s.rows(agent_of_row): model(...)")
         if untagged:
@@ -848,13 +724,13 @@ class HooksMethod(GramMethod):
                 shape = x.shape if piece.layer.embedding else x.shape[:-1]
                 if f.batch_dim is not None:
                     if f.batch_dim >= len(shape) or shape[f.batch_dim] != B:
-                        raise _Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
+                        raise Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
                                         f"{tuple(x.shape)} has no dimension {f.batch_dim} of size B = {B}")
                     piece.dim = f.batch_dim
                     continue
                 dims = [d for d, n in enumerate(shape) if n == B]
                 if not dims:
-                    raise _Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
+                    raise Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
                                     f"{tuple(x.shape)} has no dimension of the batch size B = {B}")
                 verified = piece.layer.batch_dim
                 piece.dim = verified if verified in dims else dims[0]
@@ -865,7 +741,7 @@ class HooksMethod(GramMethod):
                 piece.candidates = tuple(dims)
         return live
 
-    def _check_call(self, calls: list[tuple[_Piece, torch.Tensor, GradientEdge]], terms: Terms, loss: torch.Tensor,
+    def _check_call(self, calls: list[tuple[Piece, torch.Tensor, GradientEdge]], terms: Terms, loss: torch.Tensor,
                     retain_graph: bool) -> None:
         """The self-check's side of one call: agent k's gradient is ``Σ_calls G_kᵀ A`` over all rows, G_k the
         gradient of k's terms alone at each hooked call's output (``autograd.grad``, ``.grad`` untouched).
@@ -885,7 +761,7 @@ class HooksMethod(GramMethod):
                                             allow_unused=True)
             finally:
                 self._own = False
-            whole = _Forward()  # every row agent k's: no row tag involved
+            whole = Forward()  # every row agent k's: no row tag involved
             with torch.no_grad():
                 whole.attach(torch.tensor([k], device=term.device))
                 for (piece, x, _), G in zip(calls, grads):
@@ -899,7 +775,7 @@ class HooksMethod(GramMethod):
                             self._linear_to_store(piece.layer, whole, x.reshape(1, -1, x.shape[-1]).to(self.dtype),
                                                   G.reshape(1, -1, G.shape[-1]).to(self.dtype), self._check)
 
-    def _prune(self, keep: Callable[[_Forward], bool]) -> None:
+    def _prune(self, keep: Callable[[Forward], bool]) -> None:
         """Keep the forwards ``keep`` accepts; the others release their calls. A call's edge holds its autograd
         node, and the node holds the call (its ``on_grad``, or the tensor hook on its output): a cycle through
         C++ that Python's garbage collector cannot see, which kept every step's graph alive (+60 MB of
@@ -992,7 +868,7 @@ class HooksMethod(GramMethod):
             magnitude = np.zeros(self.n_groups)
             for i, m in self._magnitudes().items():
                 magnitude[self.group_index[i]] += m ** 2
-            bad = _differs(grams, self._check.local_grams(), tol, eps, np.sqrt(magnitude))
+            bad = differs(grams, self._check.local_grams(), tol, eps, np.sqrt(magnitude))
         if ranks:
             flags = all_reduce_sum_(torch.tensor([float(bad.any()), float(mine)]), self.store.group)
             if flags[1] == 0:  # no rank had one: the check waits
@@ -1005,7 +881,7 @@ class HooksMethod(GramMethod):
             return None
         where = f"parameter group(s) {np.flatnonzero(bad).tolist()}"
         layer = next((lay for lay in self.layers for i in (lay.weight, lay.bias) if i in per_param
-                      and _differs(per_param[i][None], self._check.param_gram(i)[None], tol, eps,
+                      and differs(per_param[i][None], self._check.param_gram(i)[None], tol, eps,
                                    np.array([self._magnitudes().get(i, 0.0)])).any()), None)
         if layer is not None:
             where = f"layer {layer.name!r}"
@@ -1013,7 +889,7 @@ class HooksMethod(GramMethod):
                 "row-major in the batch, or the model mixes rows (a term across the batch, e.g. BatchNorm)")
         unverified = [p for p in self._unverified if layer is None or p.layer is layer]
         if unverified:
-            hint = (f"{_guessed(unverified[0])}, and it may not be the batch one: tag the forward with "
+            hint = (f"{guessed(unverified[0])}, and it may not be the batch one: tag the forward with "
                     "s.rows(agent_of_row, batch_dim=d)")
         return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's (autograd per "
                 f"agent), so rows are attributed to the wrong agents; {hint}")
@@ -1021,7 +897,7 @@ class HooksMethod(GramMethod):
     def _grad_dtype(self) -> torch.dtype:
         """The least precise dtype the step's gradients were computed in: the parameters', or a lower one
         a probed layer computed in (autocast: fp32 weights, bf16 matmuls)."""
-        return _least_precise({p.dtype for p in self.params} | self._compute_dtypes)
+        return least_precise({p.dtype for p in self.params} | self._compute_dtypes)
 
     def _local_grams(self, per_param: dict[int, np.ndarray] | None = None) -> np.ndarray:
         """(G, K, K) float64: ``D Dᵀ`` per dense weight and the ghost / touched-rows Grams, in the accumulation
@@ -1035,8 +911,8 @@ class HooksMethod(GramMethod):
                 self._materialise(layer)
                 continue
             rows = [torch.cat(parts) for parts in zip(*layer.rows)]
-            pending.append((layer.weight, _touched_rows_gram if layer.embedding else _ghost_gram, rows))
-        pending += [(i, _flat_gram, [self._buffers[i][1]]) for i in self._dense]  # (K, m) views of the buffers
+            pending.append((layer.weight, touched_rows_gram if layer.embedding else ghost_gram, rows))
+        pending += [(i, flat_gram, [self._buffers[i][1]]) for i in self._dense]  # (K, m) views of the buffers
         computed = [gram_of(*rows, self.n_agents) for _, gram_of, rows in pending]  # (K, K) each
         grams = torch.zeros(self.n_groups, self.n_agents, self.n_agents, dtype=torch.float64)
         on: dict[torch.device, list[int]] = {}
@@ -1050,7 +926,7 @@ class HooksMethod(GramMethod):
                 low = ((stacked.diagonal(dim1=1, dim2=2) < PRECISE_BELOW) & (stacked != 0).any(2)).any(1)
                 low |= ~(stacked != 0).flatten(1).any(1)
                 for r in low.nonzero().flatten().tolist():
-                    precise = _in_float64(*pending[js[r]][1:], self.n_agents)
+                    precise = in_float64(*pending[js[r]][1:], self.n_agents)
                     if precise is not None:
                         stacked[r] = precise
             index = torch.tensor([self.group_index[pending[j][0]] for j in js], device=device)
@@ -1143,36 +1019,12 @@ class HooksMethod(GramMethod):
                 ghost_sq[self.group_index[i]] += m_sq if i in ghost else 0.0
         if not dtypes:
             return []
-        tol, eps = add_up_tolerance(_least_precise(dtypes | self._compute_dtypes))
+        tol, eps = add_up_tolerance(least_precise(dtypes | self._compute_dtypes))
         scale = np.square(np.sqrt(np.clip(diag, 0, None)).sum(1))
         summands = np.sqrt(magnitude_sq) + np.sqrt(before_sq)
         allowed = (tol * scale + eps * (summands * (np.sqrt(delta_sq) + np.sqrt(np.clip(total, 0, None))) + ghost_sq)
                    + np.finfo(np.float64).tiny)
         return np.flatnonzero(np.abs(total - delta_sq) > allowed).tolist()
-
-
-def _least_precise(dtypes: set[torch.dtype]) -> torch.dtype:
-    return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else torch.float32
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a layer called now is a checkpoint's
-    recomputation); torch.utils.checkpoint asks autograd the same way."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _reachable_nodes(loss: torch.Tensor) -> set[int]:
-    """ids of the autograd nodes a backward of ``loss`` reaches (a walk of its graph, only needed when
-    several forwards are candidates)."""
-    seen: set[int] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.extend(n for n, _ in node.next_functions)
-    return seen
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -1181,77 +1033,9 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dtype=torch.float32 if x.element_size() < 4 else None).double()
 
 
-def _guessed(piece: _Piece) -> str:
-    """Why a call's batch dimension is a guess (:meth:`HooksMethod._match`), for messages."""
-    B, dims = piece.forward.rows, piece.candidates
-    why = (f"several dimensions of its input, {list(dims)}, have size B = {B} (a sequence-first (T, B, d) input "
-           "with T == B?)" if len(dims) > 1 else
-           f"the only dimension of its input of size B = {B} is dimension {dims[0]}, not the leading one: the batch "
-           "of a sequence-first (T, B, d) input, or the sequence axis of a chunk of the batch with T == B")
-    return f"layer {piece.layer.name!r}: {why}; dimension {piece.dim} is taken as the batch one by its size only"
-
-
-def _by_row(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` (..., d) as (rows, T, d), without a reshape op where it already is (hundreds of calls a step)."""
-    return x if x.dim() == 3 and x.shape[0] == rows else x.reshape(rows, -1, x.shape[-1])
-
-
 def _per_row(rows: int, T: int, d_out: int, d_in: int) -> bool:
     """Per-row products ``G_bᵀ A_b`` (one bmm, then summed by agent) rather than one matmul per agent over
     gathered rows: when the rows × d_out × d_in products are no bigger than a few copies of the rows
     themselves (LoRA factors), and at most :data:`PER_ROW_LIMIT` values."""
     size = rows * d_out * d_in
     return size <= PER_ROW_LIMIT and size <= 4 * rows * T * (d_out + d_in)
-
-
-def add_up_tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """``(tol, eps)`` of the add-up check for gradients of ``dtype``.
-
-    ``|Σ_kl M_kl − ‖Δ.grad‖²|`` may be at most ``tol · (Σ_k ‖g_k‖)² + eps · (S (‖Δ.grad‖ + ‖Σ_k g_k‖) + S_ghost²)``:
-    the first term is rounding relative to the agents' gradients (1e-4 fp32, 1e-8 fp64, 3e-2 16-bit);
-    the second is rounding relative to what was summed into them. ``S`` bounds the norm of the
-    rank-one token terms ``G_t A_tᵀ`` (``Σ_calls ‖G‖_F ‖A‖_F ≥ Σ_t ‖G_t‖‖A_t‖`` per weight, root-sum-square
-    over the group's weights, plus ‖.grad‖ before the step); when they cancel (two identical rows with opposite
-    advantages) the gradient is rounding noise of size ``eps · S`` that no relative tolerance allows.
-    ``S_ghost²`` covers ghost weights, whose Gram is summed from products of token pairs. ``eps`` is
-    64 machine epsilons, at most ``tol``.
-    """
-    tol = {torch.float64: 1e-8, torch.float32: 1e-4}.get(dtype, 3e-2)
-    return tol, min(tol, 64 * torch.finfo(dtype).eps)
-
-
-def _differs(a: np.ndarray, b: np.ndarray, tol: float, eps: float, magnitude: np.ndarray) -> np.ndarray:
-    """(G,) whether Grams ``a`` and ``b`` (G, K, K) differ beyond rounding: entry kl by more than
-    ``10 tol √(M_kk M_ll) + 10 eps S (√M_kk + √M_ll + S)`` (M: the larger diagonal; S: the group's magnitude)."""
-    d = np.sqrt(np.clip(np.maximum(np.diagonal(a, axis1=1, axis2=2), np.diagonal(b, axis1=1, axis2=2)), 0, None))
-    S = magnitude[:, None, None]
-    allowed = 10 * tol * d[:, :, None] * d[:, None, :] + 10 * eps * S * (d[:, :, None] + d[:, None, :] + S)
-    return (np.abs(a - b) > allowed + np.finfo(np.float64).tiny).any(axis=(1, 2))
-
-
-def _in_float64(gram_of: Callable[..., torch.Tensor], rows: list[torch.Tensor], K: int) -> torch.Tensor | None:
-    """``gram_of(*rows, K)`` with its float rows in float64 (rarely: PRECISE_BELOW); None when a float row is
-    all zeros (the Gram is then exactly zero: no float64 copy)."""
-    if not all(bool(r.any()) for r in rows if r.is_floating_point()):
-        return None
-    return gram_of(*[r.double() if r.is_floating_point() else r for r in rows], K)
-
-
-def _flat_gram(flat: torch.Tensor, K: int) -> torch.Tensor:
-    """(K, K) ``flat flatᵀ`` of per-agent gradients flat (K, m)."""
-    return flat @ flat.T
-
-
-def _ghost_gram(A: torch.Tensor, G: torch.Tensor, agents: torch.Tensor, K: int) -> torch.Tensor:
-    """``M_kl = Σ_{i∈k, j∈l} (A Aᵀ)_ij (G Gᵀ)_ij`` for token rows A (N, d_in), G (N, d_out); (K, K) float64."""
-    S = (A @ A.T).double() * (G @ G.T).double()
-    P = F.one_hot(agents, K).double()
-    return P.T @ S @ P
-
-
-def _touched_rows_gram(ids: torch.Tensor, G: torch.Tensor, agents: torch.Tensor, K: int) -> torch.Tensor:
-    """Embedding Gram from token rows: per-agent gradients on the U distinct ids only, (K, U·d)."""
-    uniq, inv = torch.unique(ids, return_inverse=True)
-    R = G.new_zeros(K * len(uniq), G.shape[-1]).index_add_(0, agents * len(uniq) + inv, G)
-    R = R.view(K, -1)
-    return (R @ R.T).double()

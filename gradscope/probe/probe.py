@@ -39,7 +39,8 @@ from gradscope.errors import ProbeError
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe.distributed import all_reduce_max, all_reduce_sum_, check_same_setup, resolve_group, world_size
 from gradscope.probe.groups import GroupSpec, assign_groups
-from gradscope.probe.hooks import HooksMethod, find_layers
+from gradscope.probe.hooks import HooksMethod
+from gradscope.probe.layers import find_layers
 from gradscope.probe.method import GramMethod, token_terms
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod

@@ -13,6 +13,7 @@ from gradscope.errors import ProbeError
 from gradscope.peft_support import adapter_parameters, use_adapter
 from gradscope.probe import Probe
 from gradscope.probe import hooks as hooks_module
+from gradscope.probe.rows import Piece
 from tests.gradscope.test_probe import AGENTS, ROLES, brute_force_gram, make_mlp, rel_err
 from tests.gradscope.tiny_lm import batch, tiny_lora_lm
 
@@ -904,7 +905,7 @@ def test_a_probed_step_leaves_no_graph_alive(sketch):
     gc.collect()
     assert all(node() is None for node in nodes)
     mine = {id(m) for m in model.modules()}
-    assert not [o for o in gc.get_objects() if isinstance(o, hooks_module._Piece) and id(o.layer.module) in mine]
+    assert not [o for o in gc.get_objects() if isinstance(o, Piece) and id(o.layer.module) in mine]
     probe.close()
 
 

@@ -86,7 +86,7 @@ def test_zero_and_cancelling_advantages_train(tmp_path, monkeypatch, workflow, t
 def test_recorded_method_is_the_one_that_ran(tmp_path, monkeypatch, alternating_rewards):
     """The trainer's records say hooks (the first one self-checked); a forced fallback is recorded as
     split with its reason, a warning event says why, and probe_method names only split."""
-    from gradscope.probe import hooks
+    from gradscope.probe import hooks, rows
 
     cfg = tiny(tmp_path, "voting", "math", 2, 2)
     Trainer(cfg).run()
@@ -95,7 +95,7 @@ def test_recorded_method_is_the_one_that_ran(tmp_path, monkeypatch, alternating_
         assert run.meta.probe_method == "hooks" and "probe" not in set(run.events["kind"])
 
     def unmatched(self, live, row_agents, *_):
-        raise hooks._Fallback("unmatched-rows", "forced by the test")
+        raise rows.Fallback("unmatched-rows", "forced by the test")
     monkeypatch.setattr(hooks.HooksMethod, "_match", unmatched)
     cfg = tiny(tmp_path, "voting", "math", 2, 2)
     cfg.out = str(tmp_path / "forced.h5")

@@ -1,0 +1,68 @@
+"""The layers the hooks method can attribute, and which probed parameters each holds.
+
+Only exactly ``nn.Linear`` and plain ``nn.Embedding`` modules: a layer's gradient is then ``Σ_tokens G_tᵀ A_t``
+(Linear) or ``G_t`` scattered to the token ids (Embedding), from the call's input ``A`` and output gradient ``G``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+def supported(module: nn.Module) -> bool:
+    """Layers whose parameters hooks can attribute: exactly ``nn.Linear`` or a plain ``nn.Embedding``.
+
+    Subclasses are excluded on purpose: some (``nn.MultiheadAttention.out_proj``) are used without
+    calling their ``forward``, so a hook would never see them.
+    """
+    if type(module) is nn.Linear:
+        return True
+    return type(module) is nn.Embedding and not module.scale_grad_by_freq and not module.sparse
+
+
+def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list["Layer"], list[int]]:
+    """The hookable layers holding ``params``, and the indices of the parameters none covers.
+
+    A parameter is covered when exactly one module of ``model`` holds it and that module is
+    :func:`supported` (a weight tied between two modules is not).
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in index:
+                owners.setdefault(index[id(p)], []).append((module_name, module, name))
+    layers: dict[int, Layer] = {}
+    uncovered = []
+    for i in range(len(params)):
+        held = {id(m): (n, m, p) for n, m, p in owners.get(i, [])}  # one module reached by two paths is one
+        if len(held) != 1:
+            uncovered.append(i)
+            continue
+        module_name, module, name = next(iter(held.values()))
+        if not supported(module) or name not in ("weight", "bias"):
+            uncovered.append(i)
+            continue
+        layer = layers.setdefault(id(module), Layer(module, module_name or type(module).__name__))
+        setattr(layer, name, i)
+    return list(layers.values()), uncovered
+
+
+@dataclass(eq=False)
+class Layer:
+    """A hooked module, the indices of its probed parameters, and this step's ghost / embedding rows."""
+
+    module: nn.Module
+    name: str
+    weight: int | None = None
+    bias: int | None = None
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    n_rows: int = 0  # tokens in ``rows``
+    batch_dim: int | None = None  # verified by a passed self-check where the shape left a choice
+
+    @property
+    def embedding(self) -> bool:
+        return isinstance(self.module, nn.Embedding)
