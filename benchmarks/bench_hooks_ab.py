@@ -2,9 +2,10 @@
 
 Two model copies differ by up to ±0.03 of a plain step on the LoRA LM of bench_peers.py (where the allocator
 places each copy's tensors), more than most single changes to hooks are worth. Here both versions of
-``gradscope/probe/hooks.py`` and ``fused.py`` — the working tree's and ``REV``'s — run on the same model copy
-and the same probe: the probe's method switches class between steps, its layer hooks and installed forwards
-with it (its state is the same for both, but for the caches it keeps across steps: each class's own). Plain
+``gradscope/probe/hooks.py``, ``fused.py`` and ``accumulate.py`` (where ``REV`` has it) — the working tree's and
+``REV``'s; the other modules are the working tree's — run on the same model copy and the same probe: the probe's
+method switches class between steps, its layer hooks and installed forwards with it (its state is the same for
+both, but for what it keeps across steps: each class's own buffers, or :class:`Accumulator`). Plain
 runs on a second copy, interleaved with both (order rotated every repetition), CPU time per step, medians
 after warm-up. One process's difference still varies by about ±0.01: judge by several.
 
@@ -42,22 +43,37 @@ def module_at(rev: str, name: str) -> types.ModuleType:
 
 
 def hooks_at(rev: str) -> types.ModuleType:
-    """``hooks.py`` at ``rev``, using ``fused.py`` at ``rev`` (the layers' forward and backward)."""
+    """``hooks.py`` at ``rev``, using ``fused.py`` (the layers' forward and backward) and, where ``rev`` has it,
+    ``accumulate.py`` at ``rev``."""
     fused = module_at(rev, "fused")
     hooks = module_at(rev, "hooks")
     hooks.fused, hooks.as_dtype = fused, fused.as_dtype  # (its imports found the working tree's fused.py)
+    if hasattr(hooks, "Accumulator"):
+        hooks.Accumulator = module_at(rev, "accumulate").Accumulator
     return hooks
 
 
-#: The method's caches kept across steps: each class keeps its own (their layout may differ between revisions).
-CACHES = ("_buffers", "_scratches")
+#: What the method keeps across steps: each class its own (the layout may differ between revisions). Before
+#: accumulate.py the buffers were the method's own attributes; since, its ``acc`` holds them.
+CACHES = ("_buffers", "_scratches", "acc")
+
+
+def fresh(method: object, cls: type) -> dict[str, object]:
+    """What ``cls`` keeps across steps, empty, for ``method``."""
+    module = sys.modules[cls.__module__]
+    if not hasattr(module, "Accumulator"):
+        return {"_buffers": {}, "_scratches": {}}
+    return {"acc": module.Accumulator(method.params, method.layers, method.group_index, method.n_groups,
+                                      method.n_agents, method.dtype, method.store)}
 
 
 def switch(method: object, cls: type, caches: dict[type, dict[str, object]]) -> None:
     """Make ``method`` an instance of ``cls``, its hooks too: those registered at construction hold bound
     methods of the class it had then; and its :data:`CACHES` those ``cls`` left (``caches``, by class)."""
-    caches[type(method)] = {name: getattr(method, name) for name in CACHES}
-    for name, value in caches.get(cls, {name: {} for name in CACHES}).items():
+    caches[type(method)] = {name: getattr(method, name) for name in CACHES if hasattr(method, name)}
+    if cls not in caches:
+        caches[cls] = fresh(method, cls)
+    for name, value in caches[cls].items():
         setattr(method, name, value)
     method.__class__ = cls
     installed_cls = sys.modules[cls.__module__].fused.Installed

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 
 def in_float64(gram_of: Callable[..., torch.Tensor], rows: list[torch.Tensor], K: int) -> torch.Tensor | None:
-    """``gram_of(*rows, K)`` with its float rows in float64 (rarely: hooks.PRECISE_BELOW); None when a float row is
+    """``gram_of(*rows, K)`` with its float rows in float64 (rarely: accumulate.PRECISE_BELOW); None when a float row is
     all zeros (the Gram is then exactly zero: no float64 copy)."""
     if not all(bool(r.any()) for r in rows if r.is_floating_point()):
         return None

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from gradscope.errors import ProbeError
 from gradscope.peft_support import adapter_parameters, use_adapter
 from gradscope.probe import Probe
-from gradscope.probe import hooks as hooks_module
+from gradscope.probe import accumulate
 from gradscope.probe.rows import Piece
 from tests.gradscope.test_probe import AGENTS, ROLES, brute_force_gram, make_mlp, rel_err
 from tests.gradscope.tiny_lm import batch, tiny_lora_lm
@@ -143,7 +143,7 @@ def test_lora_lm_hooks_equals_split_and_brute_force(policy, dtype):
 @pytest.mark.parametrize("policy", ["sp", "ip"])
 def test_gradient_accumulation_equals_one_big_batch(policy, dtype, ghost, monkeypatch):
     """Two micro-batches in one step; the ghost form must keep the cross-call terms."""
-    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    monkeypatch.setattr(accumulate, "GHOST_FACTOR", GHOST[ghost])
     model = lora_model(policy, dtype)
     case = LMCase(model, policy)
     expected = brute([case.call(list(range(8)))], lora_params(model))
@@ -275,7 +275,7 @@ def embed_case(model, n: int = 8, seed: int = 5, mix_row: bool = False):
 @pytest.mark.parametrize("ghost", GHOST)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp64"])
 def test_trained_embedding_and_head(dtype, ghost, monkeypatch):
-    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    monkeypatch.setattr(accumulate, "GHOST_FACTOR", GHOST[ghost])
     model = EmbedLM(dtype=dtype)
     call = embed_case(model)
     params = list(model.parameters())
@@ -294,7 +294,7 @@ def test_trained_embedding_and_head(dtype, ghost, monkeypatch):
 @pytest.mark.parametrize("order", ["tokens-then-dict", "dict-then-tokens"])
 def test_dict_calls_and_mixed_rows_fall_back_to_split_within_the_step(order, monkeypatch):
     """backward({agent: loss}) and rows mixing agents go through split; they mix with hooks calls."""
-    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", 1e9)  # the head in ghost form, then materialised
+    monkeypatch.setattr(accumulate, "GHOST_FACTOR", 1e9)  # the head in ghost form, then materialised
     model = EmbedLM(dtype=torch.float64)
     call = embed_case(model)
     params = list(model.parameters())
@@ -374,8 +374,8 @@ def test_the_add_up_check_s_magnitude_is_the_norms_of_each_call_s_per_agent_sums
                 expected += [float(part.norm()) for part in parts]
     probe = Probe(model, AGENTS, ROLES, method="hooks", check_every=None)
     method, seen = probe._method, []
-    resolve = method._magnitudes
-    method._magnitudes = lambda: seen.append(resolve()) or seen[-1]
+    resolve = method.acc.magnitudes
+    method.acc.magnitudes = lambda: seen.append(resolve()) or seen[-1]
     try:
         with probe.step(0) as s:
             for x, ids in zip(xs, agent_ids):
@@ -394,9 +394,9 @@ def test_mlp_on_2d_inputs_with_biases(ghost, last_row, products, monkeypatch):
     """Rows are samples (no token axis): Linear inputs (n, d); token_loss is (n, 1). Dense products per row or
     per agent over its rows, with or without a row of no agent: the Gram is brute force's and .grad the
     unprobed step's (the weight gradient then comes from those products, or from autograd)."""
-    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    monkeypatch.setattr(accumulate, "GHOST_FACTOR", GHOST[ghost])
     if products == "per-agent":
-        monkeypatch.setattr(hooks_module, "_per_row", lambda *a: False)
+        monkeypatch.setattr(accumulate, "_per_row", lambda *a: False)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     g = torch.Generator().manual_seed(1)
@@ -663,7 +663,7 @@ def test_an_input_buffer_reused_between_micro_batches_keeps_the_kept_rows(monkey
     """Gradient accumulation that copies each micro-batch into one input buffer (legal: the previous graph
     is gone). A weight in ghost form keeps its input rows until the step ends; they were a view of that
     buffer, so the next copy overwrote them (the add-up check then blamed a weight used outside its layer)."""
-    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST["ghost"])
+    monkeypatch.setattr(accumulate, "GHOST_FACTOR", GHOST["ghost"])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
     xs = [torch.randn(4, 32) for _ in range(2)]
@@ -693,7 +693,7 @@ def test_cancelling_rows_and_zero_gradients_pass_the_add_up_check(advantages, dt
     is only rounding noise. Hooks and autograd round differently (hooks' per-row terms cancel exactly);
     the check must allow rounding relative to the cancelled terms (this failed `train --tasks-per-step 2
     --group-size 2` at step 2 before). The Gram is then zero to rounding, as split's."""
-    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST[ghost])
+    monkeypatch.setattr(accumulate, "GHOST_FACTOR", GHOST[ghost])
     model = lora_model("sp", dtype)
     ids, mask = batch(8, 12, seed=3, pad_left=2)
     ids[1::2], mask[1::2] = ids[::2], mask[::2]  # rows 2j and 2j+1 identical
@@ -819,7 +819,7 @@ def test_vanishing_gradients_neither_underflow_the_gram_nor_fail_the_add_up_chec
     """Gradient entries ~1e-25 (every agent's, or one agent's beside O(1) ones): their fp32 squares underflow to
     zero. The Gram must still be split's (float64), diagonal included, and the add-up check (float64 ‖Δ.grad‖²)
     must not take the underflowed Gram for a weight used elsewhere."""
-    monkeypatch.setattr(hooks_module, "GHOST_FACTOR", GHOST["ghost" if form == "ghost" else "dense"])
+    monkeypatch.setattr(accumulate, "GHOST_FACTOR", GHOST["ghost" if form == "ghost" else "dense"])
     torch.manual_seed(0)
     embed = [nn.Embedding(50, 16)] if form == "embedding" else []
     model = nn.Sequential(*embed, *[nn.Linear(16, 16) for _ in range(3)])

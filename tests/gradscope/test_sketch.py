@@ -249,7 +249,7 @@ def test_bad_arguments():
 def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, monkeypatch):
     """Large weights go to the store a block of output rows at a time, and the sketch hashes a chunk of
     coordinates at a time; forcing tiny blocks and chunks must give the same Gram."""
-    from gradscope.probe import hooks as hooks_module
+    from gradscope.probe import accumulate
     from gradscope.probe import sketch as sketch_module
     from gradscope.probe import store as store_module
 
@@ -261,7 +261,7 @@ def test_blocked_per_agent_products_and_chunked_hashing_change_nothing(store, mo
 
     def gram(blocked: bool) -> np.ndarray:
         if blocked:
-            monkeypatch.setattr(hooks_module, "PER_ROW_LIMIT", 0)  # products by Store.add_outer
+            monkeypatch.setattr(accumulate, "PER_ROW_LIMIT", 0)  # products by Store.add_outer
             monkeypatch.setattr(sketch_module, "CHUNK", 100)       # hashed 100 coordinates at a time
             if store == "flat":
                 monkeypatch.setattr(store_module, "CHUNK", 100)    # one output row per block
