@@ -64,7 +64,7 @@ def fresh(method: object, cls: type) -> dict[str, object]:
     if not hasattr(module, "Accumulator"):
         return {"_buffers": {}, "_scratches": {}}
     return {"acc": module.Accumulator(method.params, method.layers, method.group_index, method.n_groups,
-                                      method.n_agents, method.dtype, method.store)}
+                                      method.n_agents, method.dtype)}
 
 
 def switch(method: object, cls: type, caches: dict[type, dict[str, object]]) -> None:

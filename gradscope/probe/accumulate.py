@@ -49,13 +49,12 @@ class Accumulator:
         params: the probed parameters (``i`` below indexes them); ``layers``: the hooked layers holding them.
         group_index, n_groups, n_agents: as :class:`gradscope.probe.method.GramMethod`'s.
         dtype: the accumulation dtype (float32, or float64 for fp64 models).
-        store: where contributions go instead (:meth:`to_store`), or None.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], layers: Sequence[Layer], group_index: Sequence[int],
-                 n_groups: int, n_agents: int, dtype: torch.dtype, store: Store | None) -> None:
+                 n_groups: int, n_agents: int, dtype: torch.dtype) -> None:
         self.params, self.layers, self.group_index = params, layers, group_index
-        self.n_groups, self.n_agents, self.dtype, self.store = n_groups, n_agents, dtype, store
+        self.n_groups, self.n_agents, self.dtype = n_groups, n_agents, dtype
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per parameter, kept across steps (_buffer)
         self._scratches: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per-row product buffers (_scratch)
         self.reset()
@@ -99,7 +98,7 @@ class Accumulator:
         self._parts.append((i, value))
 
     def linear(self, layer: Layer, fwd: Forward, A: torch.Tensor, G: torch.Tensor,
-                x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
+               x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple]:
         """Add one call's ``G_bᵀ A_b`` (A: (rows, T, d_in), G: (rows, T, d_out)) by row agent; ``x`` is the
         layer's input A comes from (rows kept until ``end`` must not be views of it).
 
@@ -161,10 +160,9 @@ class Accumulator:
         return dW, db, (dW_size, db_size)
 
     def to_store(self, layer: Layer, fwd: Forward, A: torch.Tensor, G: torch.Tensor,
-                         store: Store | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Hand ``store`` (default: the method's) one call's per-agent contributions (A: (rows, T, d_in),
+                 store: Store) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Hand ``store`` one call's per-agent contributions (A: (rows, T, d_in),
         G: (rows, T, d_out)); ``(‖G‖_F, ‖A‖_F)`` of the rows with an agent where the store took them on the way."""
-        store = self.store if store is None else store
         agents = list(fwd.by_agent)
         if not agents:
             return None
@@ -208,15 +206,14 @@ class Accumulator:
         return S
 
     def embedding_rows(self, layer: Layer, fwd: Forward, ids: torch.Tensor, grad: torch.Tensor,
-                        store: Store | None = None) -> None:
-        """The token rows (ids, G, agent) of the rows with an agent, kept for ``end`` or, with a store
-        (``store``, else the method's), added to it at once; padding_idx gets no gradient."""
+                       store: Store | None) -> None:
+        """The token rows (ids, G, agent) of the rows with an agent, kept for ``end`` or, given a ``store``,
+        added to it at once; padding_idx gets no gradient."""
         ids = fwd.owned(ids.reshape(fwd.rows, -1))
         G = fwd.owned(grad.reshape(fwd.rows, ids.shape[1], -1)).to(self.dtype)
         agents = fwd.kept[:, None].expand_as(ids)
         use = ids != (-1 if layer.module.padding_idx is None else layer.module.padding_idx)
         ids, G, agents = ids[use], G[use], agents[use]
-        store = self.store if store is None else store
         if store is None:
             layer.rows.append((ids, G, agents))
             return
@@ -276,6 +273,7 @@ class Accumulator:
         layer.rows, layer.n_rows = [], 0
 
     def add_grads(self, agent: int, grads: Grads) -> None:
+        """``dense[i][agent] += grad`` for split's gradients ``grads`` ((i, grad) pairs) of one agent."""
         if grads:
             torch._foreach_add_([self.dense_of(i)[agent] for i, _ in grads], [grad for _, grad in grads])
 

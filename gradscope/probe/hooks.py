@@ -143,7 +143,7 @@ class HooksMethod(GramMethod):
         self._reentrant = False
         self._compute_dtypes: set[torch.dtype] = set()  # of the probed layers' inputs and gradients, this step
         self._grad0: list[torch.Tensor | None] = []
-        self.acc = Accumulator(self.params, self.layers, self.group_index, n_groups, n_agents, self.dtype, store)
+        self.acc = Accumulator(self.params, self.layers, self.group_index, n_groups, n_agents, self.dtype)
         self._norms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input → (it, ‖A‖_F), this call
         self._unowned_grad: str | None = None  # a layer whose rows of no agent received gradient
         self.failed_check = False  # under auto, after a failed self-check: split from then on
@@ -297,14 +297,14 @@ class HooksMethod(GramMethod):
             if layer.embedding:
                 if layer.weight is not None:
                     self.acc.add_magnitude(layer.weight, _norm(grad) * grad[..., 0].numel() ** 0.5)
-                    self.acc.embedding_rows(layer, forward, x, grad)
+                    self.acc.embedding_rows(layer, forward, x, grad, self.store)
                 return None
             A, G = by_row(x, forward.rows), by_row(grad, forward.rows)
             self._compute_dtypes.update((A.dtype, G.dtype))
             # each on its own: under autocast a layer's input and its output gradient differ (fp32 / bf16)
             A, G = as_dtype(A, self.dtype), as_dtype(G, self.dtype)
             if self.store is not None:
-                self._linear_magnitudes(layer, x, grad, self.acc.to_store(layer, forward, A, G))
+                self._linear_magnitudes(layer, x, grad, self.acc.to_store(layer, forward, A, G, self.store))
                 return None
             dW, db, sizes = self.acc.linear(layer, forward, A, G, x)
             if self._check is not None or dW is None or not fused:
