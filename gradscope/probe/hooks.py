@@ -18,8 +18,10 @@ It is taken unchecked only when it is the input's leading dimension and no other
 it is a guess (several of size B, the first used: a sequence-first input with T == B; or only a
 non-leading one: a sequence-first input, or the sequence axis of a chunk of the batch with T == B)
 that the self-check verifies (below) — in a call no check measures, unless an earlier check
-confirmed the layer's dimension, the call falls back to split and the check is re-armed for the
-next probed step. Rows all of one agent attribute alike whatever the dimension: no guess. An input
+confirmed the dimension of this call of the layer (its k-th in the forward), the call falls back to split
+and the check is re-armed for the next probed step. Rows all of one agent attribute alike whatever the
+dimension: no guess. Likewise rows of several agents that no passed check has yet seen (a first step of
+one agent's rows cannot show a model mixing rows): split, and the next step checks. An input
 with no dimension of size B falls back to split too, naming the layer.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
@@ -28,8 +30,9 @@ losses (and every ``check_every`` probed steps after, if asked; a step without s
 check for the next), each agent's gradient is also computed as split would, with
 no row tags: the agent's loss terms alone are differentiated (``autograd.grad``, ``.grad`` untouched)
 at the outputs of the call's hooked layer calls, and ``Σ_calls G_kᵀ A`` over all rows is agent k's
-gradient. The Grams are compared: a mismatch raises (``method="hooks"``) or, under ``auto``, the
-record takes the check's Gram and the probe uses split from then on, with a warning. The
+gradient. The Grams are compared, per group and per parameter: a mismatch raises (``method="hooks"``) or,
+under ``auto``, the record takes the check's Gram and the probe uses split from then on, with a warning.
+A check in which every gradient is zero (all advantages 0) verifies nothing: it stays due. The
 per-record method says which ran (``StepResult.method``). Differentiating at the layer outputs
 rather than at the parameters keeps the check valid where the parameters are not the tensors the
 forward computed with (FSDP computes with gathered copies of its sharded parameters, so autograd
@@ -109,7 +112,8 @@ class HooksMethod(GramMethod):
             raise ProbeError("the hooks method needs the model, to hook its layers; pass it or use method='split'")
         self.layers, uncovered = find_layers(model, self.params)
         if uncovered:
-            raise ProbeError(f"hooks cannot attribute parameters {uncovered}; use method='split'")
+            raise ProbeError(f"hooks cannot attribute parameters {sorted(uncovered)}: "
+                             f"{'; '.join(uncovered.values())}; use method='split'")
         older = {id(m): m for layer in self.layers if (m := _HOOKED.get(layer.module)) is not None}
         for method in older.values():  # one probe per layer: the newer one's hooks would take the older one's calls
             method.close()
@@ -155,6 +159,9 @@ class HooksMethod(GramMethod):
         self._told_unverifiable = False  # the scalar-loss warning was given (once per probe)
         self._unverified: list[Piece] = []   # calls whose batch dimension the check must confirm
         self._checked_calls = 0               # this step's hooks-attributed calls the check also measured
+        self._checked_mixed = False           # one of them had rows of several agents (or of an agent and none)
+        self._vacuous = False                 # this step's check passed with every gradient zero: it verified nothing
+        self._rows_verified = False           # a passed check has seen rows of several agents with gradient
         self.warnings: list[str] = []         # of the step that just ended
         self.record = "hooks"                 # of the step that just ended (a PROBE_METHODS name)
 
@@ -414,6 +421,15 @@ class HooksMethod(GramMethod):
                     self._steps_since_check = None  # the next probed step checks (and fixes) the dimension
                 raise Fallback("unmatched-rows", f"{guessed(ambiguous[0])} and no self-check runs in this call to "
                                 "confirm it; tag the forward with s.rows(agent_of_row, batch_dim=d)")
+            mixed = any(f.mixed for f in live)
+            if mixed and not checking and not self._rows_verified and self.check_every is not None and terms is not None:
+                # the checks so far saw rows of one agent only (or no gradient): that the model keeps rows apart
+                # is unverified; the next probed step checks it
+                self._steps_since_check = None
+                if not self.grad_reduced:
+                    raise Fallback("unmatched-rows", "this call's forward holds rows of several agents, and no "
+                                   "self-check has yet seen such rows (the checks so far had one agent's rows, or no "
+                                   "gradient): the next probed step checks them")
         except Fallback as fb:
             if terms is None:
                 self._prune(lambda f: f is self._tagged)
@@ -433,6 +449,7 @@ class HooksMethod(GramMethod):
                            "keeps its rows independent (no BatchNorm or other term across rows)")
         self._unverified += ambiguous
         self._checked_calls += checking
+        self._checked_mixed = self._checked_mixed or (checking and mixed)
         calls = [(p, p.inputs, p.edge) for f in live for p in f.pieces if p.inputs is not None] if checking else []
         self._in_call, self._missed, self._reentrant = True, False, False
         try:
@@ -464,10 +481,13 @@ class HooksMethod(GramMethod):
                                               "regulariser's); hooks attributes only a forward's first backward")
         if not live:
             raise Fallback("unmatched-rows", "no grad-enabled forward of the model reached a hooked layer "
-                                              "since the previous backward (a forward made before the previous "
-                                              "backward is not kept: run each forward just before its backward; "
-                                              "or reentrant gradient checkpointing, use_reentrant=True, ran the "
-                                              "checkpointed layers without grad: use use_reentrant=False)")
+                                              "since the previous backward: the forward was already back-propagated "
+                                              "(a second backward through a graph kept with retain_graph=True: hooks "
+                                              "attributes a forward's first backward only), or made before the "
+                                              "previous backward (a forward is kept until the next backward only: run "
+                                              "each forward just before its backward), or reentrant gradient "
+                                              "checkpointing (use_reentrant=True) ran the checkpointed layers without "
+                                              "grad: use use_reentrant=False")
         if row_agents is None:  # also for tagged forwards: a row's gradient mixes its agents, whatever its tag
             raise Fallback("mixed-rows", "a row holds tokens of several agents")
         untagged = [f for f in live if f.tag is None]
@@ -480,7 +500,10 @@ class HooksMethod(GramMethod):
         for f in live:
             B = len(f.tag)
             f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
+            calls: dict[Layer, int] = {}
             for piece in f.pieces:
+                piece.index = calls.get(piece.layer, 0)
+                calls[piece.layer] = piece.index + 1
                 x = piece.inputs
                 if x is None:
                     continue
@@ -495,7 +518,7 @@ class HooksMethod(GramMethod):
                 if not dims:
                     raise Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
                                     f"{tuple(x.shape)} has no dimension of the batch size B = {B}")
-                verified = piece.layer.batch_dim
+                verified = piece.layer.batch_dims.get(piece.index)
                 piece.dim = verified if verified in dims else dims[0]
                 # a guess unless it is the leading dimension and the only one of size B: a non-leading one may be
                 # the batch of a sequence-first input or the sequence axis of a chunk of the batch (T == B); with
@@ -581,11 +604,12 @@ class HooksMethod(GramMethod):
             if self.store is not None:
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
-            checked = self._check is not None and self._checkable and self._checked_calls > 0
+            checked = self._check is not None and self._checkable and self._checked_calls > 0 and not self._vacuous
             unowned, outside = self._unowned_grad, self._outside
             self._reset()
         if failure is not None and self.strict:
             self.failed_check, self._failure = True, failure  # every later call raises too: no unchecked hooks
+            raise ProbeError(failure)  # (before the add-up check's error: the check names the layer and the cause)
         if bad:
             if unowned is not None:
                 raise ProbeError(f"hooks: rows tagged with no agent (-1) receive gradient at layer {unowned!r}: "
@@ -598,8 +622,6 @@ class HooksMethod(GramMethod):
                      else "a probed weight is used outside its layer's forward")
             raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
                              f"gradient; {cause}. Use method='split'")
-        if failure is not None and self.strict:
-            raise ProbeError(failure)
         self.record = ("split-fallback:" + self._reasons[0] if self._reasons
                        else "hooks+check" if checked else "hooks")
         return grams
@@ -627,25 +649,37 @@ class HooksMethod(GramMethod):
             return None
         tol, eps = add_up_tolerance(self._grad_dtype())
         bad = np.zeros(self.n_groups, dtype=bool)
+        wrong: list[int] = []  # the parameters whose own Gram differs (a small layer is lost in its group's Gram)
+        theirs = None
         if mine:
+            magnitudes = self.acc.magnitudes()
             magnitude = np.zeros(self.n_groups)
-            for i, m in self.acc.magnitudes().items():
+            for i, m in magnitudes.items():
                 magnitude[self.group_index[i]] += m ** 2
-            bad = differs(grams, self._check.local_grams(), tol, eps, np.sqrt(magnitude))
+            theirs = self._check.local_grams()
+            bad = differs(grams, theirs, tol, eps, np.sqrt(magnitude))
+            wrong = [i for i in per_param if differs(per_param[i][None], self._check.param_gram(i)[None], tol, eps,
+                                                     np.array([magnitudes.get(i, 0.0)])).any()]
+            bad[[self.group_index[i] for i in wrong]] = True
+        tested = theirs is not None and bool(np.any(theirs != 0))  # some agent had a gradient to attribute
         if ranks:
-            flags = all_reduce_sum_(torch.tensor([float(bad.any()), float(mine)]), self.store.group)
+            flags = all_reduce_sum_(torch.tensor([float(bad.any()), float(mine), float(tested)]), self.store.group)
             if flags[1] == 0:  # no rank had one: the check waits
                 return None
-            bad = bad | bool(flags[0] > 0)
-        self._steps_since_check = 0
+            bad, tested = bad | bool(flags[0] > 0), bool(flags[2] > 0)
         if not bad.any():
-            for piece in self._unverified:  # the attribution by these dimensions is confirmed
-                piece.layer.batch_dim = piece.dim
+            if not tested:  # every agent's gradient zero (all advantages 0): any attribution agrees; the check stays due
+                self._vacuous = True
+                return None
+            self._steps_since_check = 0
+            self._rows_verified = self._rows_verified or self._checked_mixed
+            for piece in self._unverified:  # confirmed where the check saw the layer's gradient
+                if self._saw_gradient(piece.layer, theirs):
+                    piece.layer.batch_dims[piece.index] = piece.dim
             return None
+        self._steps_since_check = 0
         where = f"parameter group(s) {np.flatnonzero(bad).tolist()}"
-        layer = next((lay for lay in self.layers for i in (lay.weight, lay.bias) if i in per_param
-                      and differs(per_param[i][None], self._check.param_gram(i)[None], tol, eps,
-                                   np.array([self.acc.magnitudes().get(i, 0.0)])).any()), None)
+        layer = next((lay for lay in self.layers if lay.weight in wrong or lay.bias in wrong), None) if wrong else None
         if layer is not None:
             where = f"layer {layer.name!r}"
         hint = ("the forwards' row tags (s.rows) do not match the rows of the loss, a layer's input is not "
@@ -656,6 +690,14 @@ class HooksMethod(GramMethod):
                     "s.rows(agent_of_row, batch_dim=d)")
         return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's (autograd per "
                 f"agent), so rows are attributed to the wrong agents; {hint}")
+
+    def _saw_gradient(self, layer: Layer, theirs: np.ndarray | None) -> bool:
+        """Whether the check gave an agent a non-zero gradient of ``layer``'s parameters (their Grams; with a store,
+        which keeps no Gram per parameter, their groups'): else it verified nothing of the layer."""
+        probed = [i for i in (layer.weight, layer.bias) if i is not None]
+        if isinstance(self._check, FlatStore):
+            return any(np.trace(self._check.param_gram(i)) > 0 for i in probed)
+        return theirs is not None and any(np.trace(theirs[self.group_index[i]]) > 0 for i in probed)
 
     def _grad_dtype(self) -> torch.dtype:
         """The least precise dtype the step's gradients were computed in: the parameters', or a lower one
@@ -668,20 +710,25 @@ class HooksMethod(GramMethod):
 
     def state_dict(self) -> dict[str, Any]:
         """The self-check's schedule and outcome, the fallback count and the layers' verified batch
-        dimensions (by layer name)."""
+        dimensions (by layer name; ``name#k`` for a layer's k-th call in a forward, k > 0)."""
         return {"failed_check": self.failed_check, "fallback_calls": self.fallback_calls,
                 "steps_since_check": self._steps_since_check,
-                "batch_dims": {layer.name: layer.batch_dim for layer in self.layers if layer.batch_dim is not None}}
+                "rows_verified": self._rows_verified,
+                "batch_dims": {layer.name + (f"#{k}" if k else ""): dim for layer in self.layers
+                               for k, dim in layer.batch_dims.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         layers = {layer.name: layer for layer in self.layers}
-        if not set(state["batch_dims"]) <= set(layers):
-            raise ProbeError(f"hooks: the saved state names layers this model lacks: "
-                             f"{sorted(set(state['batch_dims']) - set(layers))}")
+        calls = {key: key.rpartition("#") if "#" in key else (key, "", "0") for key in state["batch_dims"]}
+        missing = sorted(name for name, _, _ in calls.values() if name not in layers)
+        if missing:
+            raise ProbeError(f"hooks: the saved state names layers this model lacks: {missing}")
         self.failed_check, self.fallback_calls = bool(state["failed_check"]), int(state["fallback_calls"])
         self._steps_since_check = state["steps_since_check"]
-        for name, dim in state["batch_dims"].items():
-            layers[name].batch_dim = dim
+        self._rows_verified = bool(state.get("rows_verified", False))
+        for key, dim in state["batch_dims"].items():
+            name, _, k = calls[key]
+            layers[name].batch_dims[int(k)] = dim
 
     def close(self) -> None:
         self._prune(lambda f: False)
@@ -700,6 +747,7 @@ class HooksMethod(GramMethod):
         self._in_call, self._aux, self._outside = False, False, False
         self._unowned_grad = None
         self._check, self._checkable, self._unverified, self._checked_calls = None, True, [], 0
+        self._checked_mixed = self._vacuous = False
 
     def _deltas(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(i, Δ.grad)`` of every parameter with a gradient: what this step added to ``.grad``."""

@@ -23,8 +23,8 @@ def supported(module: nn.Module) -> bool:
     return type(module) is nn.Embedding and not module.scale_grad_by_freq and not module.sparse
 
 
-def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list["Layer"], list[int]]:
-    """The hookable layers holding ``params``, and the indices of the parameters none covers.
+def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list["Layer"], dict[int, str]]:
+    """The hookable layers holding ``params``, and the parameters none covers: index → why (for messages).
 
     A parameter is covered when exactly one module of ``model`` holds it and that module is
     :func:`supported` (a weight tied between two modules is not).
@@ -36,15 +36,17 @@ def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list[
             if id(p) in index:
                 owners.setdefault(index[id(p)], []).append((module_name, module, name))
     layers: dict[int, Layer] = {}
-    uncovered = []
+    uncovered: dict[int, str] = {}
     for i in range(len(params)):
         held = {id(m): (n, m, p) for n, m, p in owners.get(i, [])}  # one module reached by two paths is one
         if len(held) != 1:
-            uncovered.append(i)
+            uncovered[i] = (f"tied: held by {len(held)} modules, {', '.join(repr(n) for n, _, _ in held.values())}"
+                            if held else "held by no module of the model")
             continue
         module_name, module, name = next(iter(held.values()))
         if not supported(module) or name not in ("weight", "bias"):
-            uncovered.append(i)
+            uncovered[i] = (f"in a {type(module).__name__}" if not supported(module)
+                            else f"{name!r} of a {type(module).__name__}, neither weight nor bias")
             continue
         layer = layers.setdefault(id(module), Layer(module, module_name or type(module).__name__))
         setattr(layer, name, i)
@@ -61,7 +63,9 @@ class Layer:
     bias: int | None = None
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     n_rows: int = 0  # tokens in ``rows``
-    batch_dim: int | None = None  # verified by a passed self-check where the shape left a choice
+    # the batch dimension of its k-th call in a forward (k: Piece.index), verified by a passed self-check where the
+    # shape left a choice: a layer called twice per forward may see two layouts of the same shape ((T, B, d), (B, S, d))
+    batch_dims: dict[int, int] = field(default_factory=dict)
 
     @property
     def embedding(self) -> bool:

@@ -344,6 +344,8 @@ class ProbeStep:
         Tagged forwards are matched to their rows whatever order the losses are concatenated in, and
         any number of them may precede one backward (e.g. one forward per role).
         """
+        if batch_dim is not None and (type(batch_dim) is not int or batch_dim < 0):
+            raise ProbeError(f"batch_dim must be a non-negative dimension index of the layers' inputs, got {batch_dim!r}")
         agents = self._agents(agent_of_row)
         with self._method().tag(agents, batch_dim):
             yield
@@ -389,8 +391,7 @@ class ProbeStep:
         if token_loss.shape != agent_ids.shape:
             raise ProbeError(f"token_loss {tuple(token_loss.shape)} and agent_ids {tuple(agent_ids.shape)} "
                              "must have the same shape")
-        if agent_ids.is_floating_point() or agent_ids.is_complex() or agent_ids.dtype == torch.bool:
-            raise ProbeError(f"agent_ids must be integers, got {agent_ids.dtype}")
+        _integers(agent_ids, "agent_ids")
         if agent_ids.numel() and int(agent_ids.min()) < -1:  # as backward_rows and rows(): only -1 means no agent
             raise ProbeError(f"agent ids must be in [-1, {len(self.tokens) - 1}], got {int(agent_ids.min())}")
         unowned = agent_ids < 0
@@ -407,13 +408,20 @@ class ProbeStep:
     def _agents(self, agent_of_row: torch.Tensor | Sequence[int | str]) -> torch.Tensor:
         """(B,) int64 agent indices from indices or names (-1 / None: no agent)."""
         if isinstance(agent_of_row, torch.Tensor):
-            agents = agent_of_row.reshape(-1).long()
+            agents = _integers(agent_of_row, "agent_of_row").reshape(-1).long()
         else:
             agents = torch.tensor([-1 if a is None else self._probe.agent_index(a) if isinstance(a, str) else int(a)
                                    for a in agent_of_row], dtype=torch.long)
         if len(agents) and (int(agents.max()) >= len(self.tokens) or int(agents.min()) < -1):
             raise ProbeError(f"agent ids must be in [-1, {len(self.tokens) - 1}], got {agents.tolist()[:8]}...")
         return agents
+
+
+def _integers(ids: torch.Tensor, name: str) -> torch.Tensor:
+    """``ids``, refused unless of an integer dtype (a float 1.7 or a bool is no agent index)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ProbeError(f"{name} must be integers, got {ids.dtype}")
+    return ids
 
 
 def _row_agents(agent_ids: torch.Tensor) -> torch.Tensor | None:
@@ -434,11 +442,12 @@ def _choose_method(method: str, model: nn.Module | None, named: list[tuple[str, 
         return "split"
     _, uncovered = find_layers(model, [p for _, p in named])
     if uncovered and method == "hooks":
-        names = [named[i][0] for i in uncovered]
+        names = [f"{named[i][0]} ({why})" for i, why in uncovered.items()]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise ProbeError(f"method='hooks' supports parameters of nn.Linear and nn.Embedding layers (peft LoRA "
-                         f"included); {len(names)} probed parameter(s) are not: {shown}. Use method='split' "
-                         "(or 'auto', which then picks split)")
+        raise ProbeError(f"method='hooks' attributes the weights and biases of exactly nn.Linear and nn.Embedding "
+                         f"(not sparse, not scale_grad_by_freq) layers, each held by one module (peft LoRA included); "
+                         f"{len(names)} probed parameter(s) are not: {shown}. Use method='split' (or 'auto', which "
+                         "then picks split)")
     return "split" if uncovered else "hooks"
 
 

@@ -71,6 +71,7 @@ class Piece:
     dim: int = 0              # the batch dimension of ``inputs``
     ambiguous: bool = False   # the batch dimension is a guess by size (see HooksMethod._match), not verified
     candidates: tuple = ()    # the input's dimensions of size B
+    index: int = 0            # the call's place among its layer's calls in its forward (0: the first)
     edge: object = None       # the output's GradientEdge: reachable from a loss? its gradient (self-check)
     trained: tuple | None = None  # (weight, bias) the call trained, where a probed one was frozen when it ran
 

@@ -325,15 +325,16 @@ class BatchCentred(nn.Module):
 
 
 def test_a_failed_check_is_remembered_when_the_add_up_check_fails_too():
-    """A step whose row of no agent receives gradient (the add-up error) and whose check fails: hooks must
-    remember the failed check, or the next steps ran unchecked (37 % and 14 % off)."""
+    """A step whose row of no agent receives gradient (the add-up error) and whose check fails: the error is the
+    check's (it names the layer and the cause), and hooks must remember the failed check, or the next steps ran
+    unchecked (37 % and 14 % off)."""
     model = BatchCentred()
     probe = Probe(model, AGENTS, ROLES, method="hooks")
     for step, agents in enumerate(([0, 1, 2, -1], [0, 1, 2, 0], [2, 1, 0, 1])):
         agents = torch.tensor(agents)
         x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
         model.zero_grad(set_to_none=True)
-        with pytest.raises(ProbeError, match="rows tagged with no agent" if step == 0 else "at an earlier step"):
+        with pytest.raises(ProbeError, match="self-check: .*layer 'first'.*mixes rows" if step == 0 else "at an earlier step"):
             with probe.step(step) as s:
                 s.backward_rows(model(x).square().sum(1) * (agents >= 0), agents)
     probe.close()
@@ -635,3 +636,223 @@ def test_a_closed_probe_refuses_a_step():
     with pytest.raises(ProbeError, match="the probe is closed"):
         with probe.step(0):
             pass
+
+
+# ---------------------------------------------------------------- what a passed check verifies
+def seq_first_steps(method: str, advantages, T: int = 4, **kw) -> list[str]:
+    """Probed steps of :func:`seq_first_case`'s layer (T == B: the batch dimension is a guess) with the given
+    advantages per step, each Gram checked against brute force where the step ends; the records' methods, or
+    the error's message."""
+    layer, params, _, _, _ = seq_first_case(T=T)
+    probe = Probe(layer, AGENTS, ROLES, params=params, method=method, **kw)
+    seen = []
+    try:
+        for step, adv in enumerate(advantages):
+            x = torch.randn(T, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            adv = torch.tensor(adv, dtype=torch.float64)[:, None]
+            ids = ROW_AGENT[:, None].expand(4, T)
+
+            def forward():
+                return adv * layer(x).square().sum(-1).T / 10  # (B, T)
+            expected = brute_force_gram({a: forward()[ids == k].sum() for k, a in enumerate(AGENTS)},
+                                        [p for _, p in params])
+            layer.zero_grad(set_to_none=True)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    with probe.step(step) as s:
+                        s.backward_tokens(forward(), ids)
+            except ProbeError as e:
+                seen.append(str(e))
+                continue
+            assert np.abs(s.result.gram - expected).max() <= 1e-10 * np.abs(expected).max(), (step, s.result.method)
+            seen.append(s.result.method)
+    finally:
+        probe.close()
+    return seen
+
+
+ZERO, ADV = [0.0, 0.0, 0.0, 0.0], [1.0, -0.5, 0.8, 0.3]
+
+
+@pytest.mark.parametrize("method", ["hooks", "auto"])
+def test_a_check_with_every_gradient_zero_verifies_nothing_and_stays_due(method):
+    """A first step whose advantages are all 0 (a GRPO group of equal rewards): any attribution gives the zero
+    Gram, so its check confirms no batch dimension and is not recorded as one; the next step checks, and finds
+    the guessed dimension wrong (once it was fixed, and later steps were 63-78 % off, recorded as hooks)."""
+    seen = seq_first_steps(method, [ZERO, ADV, ADV])
+    assert seen[0] == "hooks"
+    if method == "hooks":
+        assert all("self-check" in m and "batch_dim" in m for m in seen[1:])
+    else:
+        assert seen[1:] == ["split-fallback:check-failed"] * 2
+
+
+def test_the_check_compares_each_parameter_s_gram_too():
+    """A small sequence-first side layer (T == B) beside a large batch-first one, in fp32: misattributing its rows
+    moved the group's Gram by ~6e-4 at a 1e-3 scale, inside the tolerance, and the wrong dimension was fixed (37 %
+    off at the next step); each parameter's own Gram is compared too, so the first step catches it."""
+    class Side(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.big, self.side, self.scale = nn.Linear(8, 8), nn.Linear(8, 8), 1e-3
+
+        def forward(self, x):  # x (B, T, 8)
+            h = torch.tanh(self.big(x))
+            h = h + self.scale * torch.tanh(self.side(h.transpose(0, 1)).transpose(0, 1))  # side sees (T, B, 8)
+            return (h + h.mean(1, keepdim=True)).square().sum(-1)  # (B, T)
+
+    model = Side()
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    x = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(0))
+    adv = torch.tensor(ADV)[:, None]
+    try:
+        with pytest.raises(ProbeError, match=r"layer 'side'.*batch_dim"):
+            with probe.step(0) as s:
+                s.backward_tokens(adv * model(x), ROW_AGENT[:, None].expand(4, 4))
+    finally:
+        probe.close()
+
+
+class Centred(nn.Module):
+    """Rows mixed by a term across the batch (BatchNorm without affine, in training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16, affine=False), nn.Tanh(), nn.Linear(16, 3)).double()
+
+    def forward(self, x):
+        return self.net(x).square().sum(-1)  # (B,)
+
+
+def test_rows_of_several_agents_that_no_check_has_seen_go_through_split_until_one_has():
+    """A first step of one agent's rows checks nothing about mixing rows; a later step with rows of several
+    agents, which the default schedule would not check, goes through split (right Gram, saying why), and the
+    step after it is checked: it catches the model mixing rows (2-12 % off unseen before)."""
+    model = Centred()
+    probe = Probe(model, AGENTS, ROLES, method="auto")
+    seen = []
+    try:
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, adv = torch.randn(8, 5, dtype=torch.float64, generator=g), torch.randn(8, dtype=torch.float64, generator=g)
+            rows = torch.zeros(8, dtype=torch.long) if step == 0 else torch.arange(8) % 4
+            expected = brute_force_gram({a: (adv * model(x))[rows == k].sum() for k, a in enumerate(AGENTS)},
+                                        list(model.parameters()))
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with probe.step(step) as s:
+                    s.backward_rows(adv * model(x), rows)
+            assert rel_err(s.result.gram, expected) < 1e-10
+            seen.append(s.result.method)
+            if step == 1:
+                assert any("no self-check has yet seen such rows" in str(w.message) for w in caught)
+    finally:
+        probe.close()
+    assert seen == ["hooks+check", "split-fallback:unmatched-rows", "split-fallback:check-failed",
+                    "split-fallback:check-failed"]
+
+
+def test_a_layer_called_in_two_layouts_has_each_call_s_dimension_verified():
+    """One Linear called on a sequence-first (T, B, d) and a batch-first (B, S, d) input in each forward: the
+    check confirms each call's dimension (1, then 0); when T == S == B the shapes cannot tell them apart, and
+    one dimension for the layer put the second call's rows at the wrong agents (9-25 % off, recorded hooks)."""
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj, self.head = nn.Linear(6, 6).double(), nn.Linear(6, 1).double()
+
+        def forward(self, seq_first, batch_first):  # (T, B, 6), (B, S, 6)
+            h = torch.cat([torch.tanh(self.proj(seq_first)).transpose(0, 1), torch.tanh(self.proj(batch_first))], 1)
+            return self.head(h + h.mean(1, keepdim=True)).squeeze(-1)  # (B, T + S)
+
+    model = Twice()
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    seen = []
+    try:
+        for step, (T, S) in enumerate([(5, 3), (4, 4), (4, 4)]):
+            g = torch.Generator().manual_seed(step)
+            xs, xb = torch.randn(T, 4, 6, dtype=torch.float64, generator=g), torch.randn(4, S, 6, dtype=torch.float64, generator=g)
+            adv = torch.randn(4, 1, dtype=torch.float64, generator=g)
+            ids = ROW_AGENT[:, None].expand(4, T + S)
+            expected = brute_force_gram({a: (adv * model(xs, xb).square())[ids == k].sum() for k, a in enumerate(AGENTS)},
+                                        list(model.parameters()))
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with probe.step(step) as s:
+                    s.backward_tokens(adv * model(xs, xb).square(), ids)
+            assert rel_err(s.result.gram, expected) < 1e-10
+            seen.append(s.result.method)
+        state = probe.state_dict()["state"]
+    finally:
+        probe.close()
+    # step 1: the second call (now with T == S == B) was never verified: split, and the next step checks it
+    assert seen == ["hooks+check", "split-fallback:unmatched-rows", "hooks+check"]
+    assert state["batch_dims"] == {"proj": 1, "proj#1": 0}
+    restored = Probe(Twice(), AGENTS, ROLES, method="hooks")
+    restored.load_state_dict(probe.state_dict())
+    assert restored.state_dict()["state"]["batch_dims"] == {"proj": 1, "proj#1": 0}
+    restored.close()
+
+
+@pytest.mark.parametrize("agents", [[0, -1, 2, -1], [0, 1, 2, -1]])
+def test_a_failed_check_with_rows_of_no_agent_names_the_guessed_dimension(agents):
+    """Sequence-first, T == B, some rows of no agent: those rows receive gradient too (the add-up check's
+    error), but the cause is the guessed batch dimension, which the check's error names."""
+    layer, params, _, _, _ = seq_first_case(T=4)
+    probe = Probe(layer, AGENTS, ROLES, params=params, method="hooks")
+    x = torch.randn(4, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor(agents)
+    adv = torch.tensor(ADV, dtype=torch.float64)[:, None] * (rows >= 0)[:, None]
+    try:
+        with pytest.raises(ProbeError, match=r"self-check.*layer 'linear[12]'.*batch_dim"):
+            with probe.step(0) as s:
+                s.backward_tokens(adv * layer(x).square().sum(-1).T, rows[:, None].expand(4, 4))
+    finally:
+        probe.close()
+
+
+def test_row_tags_and_batch_dim_are_validated():
+    """A negative or non-integer batch_dim, and float or bool agents, are refused with a ProbeError (a float
+    agent 1.7 was taken as 1; batch_dim=-1 ended in a raw RuntimeError with every .grad lost)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    x = torch.randn(4, 3, 8)
+    try:
+        with probe.step(0) as s:
+            for bad in (-1, -2, 1.0, True):
+                with pytest.raises(ProbeError, match="batch_dim must be a non-negative dimension index"):
+                    with s.rows(ROW_AGENT, batch_dim=bad):
+                        pass
+            for agents in (torch.tensor([0.0, 1.7, 2.0, 3.9]), torch.tensor([True, False, True, False])):
+                with pytest.raises(ProbeError, match="agent_of_row must be integers"):
+                    with s.rows(agents):
+                        pass
+                with pytest.raises(ProbeError, match="agent_of_row must be integers"):
+                    s.backward_rows(model(x).sum((1, 2)), agents)
+            s.backward_rows(model(x).sum((1, 2)), ROW_AGENT)
+        assert s.result.method == "hooks+check"
+    finally:
+        probe.close()
+
+
+def test_a_second_backward_through_a_retained_forward_says_so():
+    """retain_graph=True and a second loss through the same forward: split measures it (right Gram), and the
+    warning names the retained graph as the cause."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    try:
+        with probe.step(0) as s:
+            out = model(x).squeeze(-1)  # (B, T)
+            s.backward_tokens(out.square(), ROW_AGENT[:, None].expand(4, 3), retain_graph=True)
+            with pytest.warns(RuntimeWarning, match="already back-propagated.*retain_graph=True"):
+                s.backward_tokens(out.sin(), ROW_AGENT[:, None].expand(4, 3))
+        assert s.result.method == "split-fallback:unmatched-rows"
+    finally:
+        probe.close()

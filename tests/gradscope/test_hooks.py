@@ -472,7 +472,8 @@ def test_nonfinite_measured_failed_step_and_existing_grad():
 
 def test_uncovered_parameters_refused_or_split():
     model = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3))
-    with pytest.raises(ProbeError, match=r"not: 1\.weight, 1\.bias\. Use method='split'"):
+    with pytest.raises(ProbeError, match=r"not: 1\.weight \(in a LayerNorm\), 1\.bias \(in a LayerNorm\)\. "
+                                         "Use method='split'"):
         Probe(model, AGENTS, ROLES, method="hooks")
     assert Probe(model, AGENTS, ROLES).method_name == "split"
     model[1].requires_grad_(False)
@@ -483,6 +484,8 @@ def test_uncovered_parameters_refused_or_split():
     tied = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7, bias=False))
     tied[1].weight = tied[0].weight
     assert Probe(tied, AGENTS, ROLES).method_name == "split"
+    with pytest.raises(ProbeError, match=r"not: 0\.weight \(tied: held by 2 modules, '0', '1'\)"):
+        Probe(tied, AGENTS, ROLES, method="hooks")  # an Embedding's weight, refused for being tied
     with pytest.raises(ProbeError, match="needs the model"):
         Probe(None, AGENTS, ROLES, params=list(model.parameters()), method="hooks")
     assert Probe(None, AGENTS, ROLES, params=list(model.parameters())).method_name == "split"
