@@ -20,8 +20,9 @@ non-leading one: a sequence-first input, or the sequence axis of a chunk of the 
 that the self-check verifies (below) — in a call no check measures, unless an earlier check
 confirmed the dimension of this call of the layer (its k-th in the forward), the call falls back to split
 and the check is re-armed for the next probed step. Rows all of one agent attribute alike whatever the
-dimension: no guess. Likewise rows of several agents that no passed check has yet seen (a first step of
-one agent's rows cannot show a model mixing rows): split, and the next step checks. An input
+dimension: no guess; a call the loss does not reach needs none. Likewise rows of several agents that no passed
+check has yet seen with gradient (a first step of one agent's rows cannot show a model mixing rows): split, and
+the next step checks. A check confirms only what it gave a non-zero gradient to. An input
 with no dimension of size B falls back to split too, naming the layer.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
@@ -159,7 +160,7 @@ class HooksMethod(GramMethod):
         self._told_unverifiable = False  # the scalar-loss warning was given (once per probe)
         self._unverified: list[Piece] = []   # calls whose batch dimension the check must confirm
         self._checked_calls = 0               # this step's hooks-attributed calls the check also measured
-        self._checked_mixed = False           # one of them had rows of several agents (or of an agent and none)
+        self._seen: set[Piece] = set()         # calls whose output the check gave a non-zero gradient, this step
         self._vacuous = False                 # this step's check passed with every gradient zero: it verified nothing
         self._rows_verified = False           # a passed check has seen rows of several agents with gradient
         self.warnings: list[str] = []         # of the step that just ended
@@ -416,6 +417,9 @@ class HooksMethod(GramMethod):
             live = self._match(live, row_agents, loss)
             checking = self._check is not None and terms is not None
             ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
+            if ambiguous and not checking:  # a call this loss does not reach gets no gradient: nothing to attribute
+                reachable = reachable_nodes(loss)
+                ambiguous = [p for p in ambiguous if p.edge is None or id(p.edge.node) in reachable]
             if ambiguous and not checking:  # no check in this call to tell which dimension is the batch one
                 if self.check_every is not None and not self.failed_check:
                     self._steps_since_check = None  # the next probed step checks (and fixes) the dimension
@@ -449,7 +453,6 @@ class HooksMethod(GramMethod):
                            "keeps its rows independent (no BatchNorm or other term across rows)")
         self._unverified += ambiguous
         self._checked_calls += checking
-        self._checked_mixed = self._checked_mixed or (checking and mixed)
         calls = [(p, p.inputs, p.edge) for f in live for p in f.pieces if p.inputs is not None] if checking else []
         self._in_call, self._missed, self._reentrant = True, False, False
         try:
@@ -553,6 +556,8 @@ class HooksMethod(GramMethod):
                 for (piece, x, _), G in zip(calls, grads):
                     if G is None:
                         continue
+                    if piece not in self._seen and bool(G.any()):  # (a check is a split step: a read per call is cheap)
+                        self._seen.add(piece)
                     with self._as_trained(piece):
                         if piece.layer.embedding:
                             if piece.layer.weight is not None:
@@ -662,19 +667,24 @@ class HooksMethod(GramMethod):
                                                      np.array([magnitudes.get(i, 0.0)])).any()]
             bad[[self.group_index[i] for i in wrong]] = True
         tested = theirs is not None and bool(np.any(theirs != 0))  # some agent had a gradient to attribute
+        # rows of several agents the check gave a gradient to: whether the model mixes rows is then verified (on any
+        # rank: it is the model's property, and the ranks must agree on when to fall back)
+        mixed = any(piece.forward.mixed for piece in self._seen)
         if ranks:
-            flags = all_reduce_sum_(torch.tensor([float(bad.any()), float(mine), float(tested)]), self.store.group)
+            flags = all_reduce_sum_(torch.tensor([float(bad.any()), float(mine), float(tested), float(mixed)]),
+                                    self.store.group)
             if flags[1] == 0:  # no rank had one: the check waits
                 return None
-            bad, tested = bad | bool(flags[0] > 0), bool(flags[2] > 0)
+            bad, tested, mixed = bad | bool(flags[0] > 0), bool(flags[2] > 0), bool(flags[3] > 0)
         if not bad.any():
             if not tested:  # every agent's gradient zero (all advantages 0): any attribution agrees; the check stays due
                 self._vacuous = True
                 return None
             self._steps_since_check = 0
-            self._rows_verified = self._rows_verified or self._checked_mixed
-            for piece in self._unverified:  # confirmed where the check saw the layer's gradient
-                if self._saw_gradient(piece.layer, theirs):
+            # verified: what the check gave a gradient to (rows of several agents; a call's guessed dimension)
+            self._rows_verified = self._rows_verified or mixed
+            for piece in self._unverified:
+                if piece in self._seen:
                     piece.layer.batch_dims[piece.index] = piece.dim
             return None
         self._steps_since_check = 0
@@ -690,14 +700,6 @@ class HooksMethod(GramMethod):
                     "s.rows(agent_of_row, batch_dim=d)")
         return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's (autograd per "
                 f"agent), so rows are attributed to the wrong agents; {hint}")
-
-    def _saw_gradient(self, layer: Layer, theirs: np.ndarray | None) -> bool:
-        """Whether the check gave an agent a non-zero gradient of ``layer``'s parameters (their Grams; with a store,
-        which keeps no Gram per parameter, their groups'): else it verified nothing of the layer."""
-        probed = [i for i in (layer.weight, layer.bias) if i is not None]
-        if isinstance(self._check, FlatStore):
-            return any(np.trace(self._check.param_gram(i)) > 0 for i in probed)
-        return theirs is not None and any(np.trace(theirs[self.group_index[i]]) > 0 for i in probed)
 
     def _grad_dtype(self) -> torch.dtype:
         """The least precise dtype the step's gradients were computed in: the parameters', or a lower one
@@ -719,13 +721,15 @@ class HooksMethod(GramMethod):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         layers = {layer.name: layer for layer in self.layers}
-        calls = {key: key.rpartition("#") if "#" in key else (key, "", "0") for key in state["batch_dims"]}
+        calls = {key: key.rpartition("#") if key not in layers and key.rpartition("#")[2].isdigit() else (key, "", "0")
+                 for key in state["batch_dims"]}
         missing = sorted(name for name, _, _ in calls.values() if name not in layers)
         if missing:
             raise ProbeError(f"hooks: the saved state names layers this model lacks: {missing}")
         self.failed_check, self.fallback_calls = bool(state["failed_check"]), int(state["fallback_calls"])
         self._steps_since_check = state["steps_since_check"]
-        self._rows_verified = bool(state.get("rows_verified", False))
+        # (a state saved before rows_verified existed: a check had passed if one had run)
+        self._rows_verified = bool(state.get("rows_verified", state["steps_since_check"] is not None))
         for key, dim in state["batch_dims"].items():
             name, _, k = calls[key]
             layers[name].batch_dims[int(k)] = dim
@@ -747,7 +751,7 @@ class HooksMethod(GramMethod):
         self._in_call, self._aux, self._outside = False, False, False
         self._unowned_grad = None
         self._check, self._checkable, self._unverified, self._checked_calls = None, True, [], 0
-        self._checked_mixed = self._vacuous = False
+        self._seen, self._vacuous = set(), False
 
     def _deltas(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(i, Δ.grad)`` of every parameter with a gradient: what this step added to ``.grad``."""

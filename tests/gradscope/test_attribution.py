@@ -856,3 +856,62 @@ def test_a_second_backward_through_a_retained_forward_says_so():
         assert s.result.method == "split-fallback:unmatched-rows"
     finally:
         probe.close()
+
+
+def test_a_layer_the_loss_never_reaches_needs_no_verified_dimension():
+    """A sequence-first model (T != B: dimension 1 is a guess) with a probed head called every forward but not
+    in the loss: the check sees no gradient of it, so its dimension stays unverified, and a call the loss does
+    not reach needs none (it went through split every other step, re-arming the check, for good)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(body=nn.Linear(3, 6), head=nn.Linear(6, 1), aux=nn.Linear(6, 2))).double()
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    g, seen = torch.Generator().manual_seed(0), []
+    try:
+        for step in range(4):
+            x, adv = torch.randn(5, 8, 3, dtype=torch.float64, generator=g), torch.randn(8, dtype=torch.float64, generator=g)
+            rows = torch.arange(8) % 4
+
+            def loss():
+                h = torch.tanh(model["body"](x))  # (T, B, 6)
+                model["aux"](h)                   # a value head this loss does not use
+                return adv * model["head"](h)[..., 0].sum(0)
+            expected = brute_force_gram({a: loss()[rows == k].sum() for k, a in enumerate(AGENTS)},
+                                        [p for n, p in model.named_parameters() if not n.startswith("aux")])
+            model.zero_grad(set_to_none=True)
+            with probe.step(step) as s:
+                s.backward_rows(loss(), rows)
+            assert rel_err(s.result.gram, expected) < 1e-10
+            seen.append(s.result.method)
+    finally:
+        probe.close()
+    assert seen == ["hooks+check", "hooks", "hooks", "hooks"]
+
+
+def test_rows_of_several_agents_without_gradient_at_the_check_are_not_verified():
+    """The check step holds a call with rows of several agents but every advantage 0, and a call of one agent's
+    rows with gradient: the check saw no gradient of rows of several agents, so it verified nothing about mixing
+    rows (later steps were 13-24 % off, recorded hooks); the next such call goes through split, the check after
+    it catches the model mixing rows."""
+    model = Centred()
+    probe = Probe(model, AGENTS, ROLES, method="auto")
+    seen = []
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            calls = ([(torch.arange(8) % 4, torch.zeros(8, dtype=torch.float64)),
+                      (torch.full((8,), 2), torch.randn(8, dtype=torch.float64, generator=g))] if step == 0
+                     else [(torch.arange(8) % 4, torch.randn(8, dtype=torch.float64, generator=g))])
+            xs = [torch.randn(8, 5, dtype=torch.float64, generator=g) for _ in calls]
+            expected = brute_force_gram({a: sum((adv * model(x))[rows == k].sum() for (rows, adv), x in zip(calls, xs))
+                                         for k, a in enumerate(AGENTS)}, list(model.parameters()))
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with probe.step(step) as s:
+                    for (rows, adv), x in zip(calls, xs):
+                        s.backward_rows(adv * model(x), rows)
+            assert rel_err(s.result.gram, expected) < 1e-10
+            seen.append(s.result.method)
+    finally:
+        probe.close()
+    assert seen == ["hooks+check", "split-fallback:unmatched-rows", "split-fallback:check-failed"]
