@@ -417,14 +417,14 @@ class HooksMethod(GramMethod):
             live = self._match(live, row_agents, loss)
             checking = self._check is not None and terms is not None
             ambiguous = [p for f in live for p in f.pieces if p.ambiguous]
-            if ambiguous and not checking:  # a call this loss does not reach gets no gradient: nothing to attribute
-                reachable = reachable_nodes(loss)
-                ambiguous = [p for p in ambiguous if p.edge is None or id(p.edge.node) in reachable]
             if ambiguous and not checking:  # no check in this call to tell which dimension is the batch one
-                if self.check_every is not None and not self.failed_check:
-                    self._steps_since_check = None  # the next probed step checks (and fixes) the dimension
-                raise Fallback("unmatched-rows", f"{guessed(ambiguous[0])} and no self-check runs in this call to "
-                                "confirm it; tag the forward with s.rows(agent_of_row, batch_dim=d)")
+                reachable = reachable_nodes(loss)  # (a call this loss does not reach gets no gradient to attribute)
+                ambiguous = [p for p in ambiguous if p.edge is None or id(p.edge.node) in reachable]
+                if ambiguous:
+                    if self.check_every is not None and not self.failed_check:
+                        self._steps_since_check = None  # the next probed step checks (and fixes) the dimension
+                    raise Fallback("unmatched-rows", f"{guessed(ambiguous[0])} and no self-check runs in this call "
+                                   "to confirm it; tag the forward with s.rows(agent_of_row, batch_dim=d)")
             mixed = any(f.mixed for f in live)
             if mixed and not checking and not self._rows_verified and self.check_every is not None and terms is not None:
                 # the checks so far saw rows of one agent only (or no gradient): that the model keeps rows apart
