@@ -104,17 +104,17 @@ class Accumulator:
 
         Returns ``(dW, db, sizes)``: the call's weight gradient ``Σ_b G_bᵀ A_b`` (d_out, d_in) and bias
         gradient (d_out,) where the products formed for the agents (per row, or per agent over its
-        rows) add up to it, else None; and the norms ``‖P‖_F`` of those products ``P`` (any shape: their sum
+        rows) add up to the weight's, else both None (autograd computes them: ``.grad`` bit for bit the
+        unprobed one); and the norms ``‖P‖_F`` of those products ``P`` (any shape: their sum
         is the scale of the rounding between the products' sum and the per-agent sums) — None for the weight
         where they are the norms of its per-agent buffer's rows, which hold just this call's sums (read at
         ``end``, or before a later call adds to them: see :attr:`unmeasured`)."""
-        db = db_size = dW = dW_size = None
+        dW = dW_size = per_row = None
         if layer.bias is not None:
             per_row = G.sum(1)                                        # (rows, d_out)
             self.add_by_row(layer.bias, per_row, fwd)
-            db, db_size = per_row.sum(0), torch.linalg.vector_norm(per_row, dim=1)
         if layer.weight is None:
-            return None, db, (None, db_size)
+            return None, None, (None, None)
         d_out, d_in = self.params[layer.weight].shape
         n_new = fwd.n_kept * A.shape[1]
         if layer.weight not in self.dense and (layer.n_rows + n_new) * (d_in + d_out) < GHOST_FACTOR * d_in * d_out:
@@ -124,7 +124,7 @@ class Accumulator:
                 rows = rows.clone()  # kept until end(): not a view of the caller's input, which may be reused
             layer.rows.append((rows, fwd.owned(G).flatten(0, 1), tokens))
             layer.n_rows += n_new
-            return None, db, (None, db_size)
+            return None, None, (None, None)
         self.materialise(layer)
         if fwd.single is not None:
             dW = G.flatten(0, 1).T @ A.flatten(0, 1)                  # (d_out, d_in)
@@ -149,7 +149,7 @@ class Accumulator:
             if fwd.unowned is not None or not fwd.by_agent:  # rows of no agent: autograd's Gᵀ A holds them
                 for k, rows in fwd.by_agent.items():
                     D[k].addmm_(G[rows].flatten(0, 1).T, A[rows].flatten(0, 1))
-                return None, db, (None, db_size)
+                return None, None, (None, None)
             sizes = []
             for k, rows in fwd.by_agent.items():
                 P = G[rows].flatten(0, 1).T @ A[rows].flatten(0, 1)  # (d_out, d_in): agent k's rows
@@ -157,7 +157,9 @@ class Accumulator:
                 dW = P if dW is None else dW.add_(P)
                 sizes.append(torch.linalg.vector_norm(P))
             dW_size = torch.stack(sizes)
-        return dW, db, (dW_size, db_size)
+        if per_row is None:
+            return dW, None, (dW_size, None)
+        return dW, per_row.sum(0), (dW_size, torch.linalg.vector_norm(per_row, dim=1))
 
     def to_store(self, layer: Layer, fwd: Forward, A: torch.Tensor, G: torch.Tensor,
                  store: Store) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -41,8 +41,11 @@ def assign_groups(names: Sequence[str], spec: GroupSpec) -> tuple[list[str], lis
         rule = _RULES[spec]
     elif isinstance(spec, Mapping):
         rule = _prefix_rule(spec)
-    else:
+    elif callable(spec):
         rule = spec
+    else:
+        raise ProbeError(f"groups must be None, one of {sorted(_RULES)}, a function name → group or a mapping "
+                         f"{{group: [name prefixes]}}; got {type(spec).__name__} {spec!r}")
     groups: list[str] = []
     index: list[int] = []
     for name in names:

@@ -23,6 +23,13 @@ def supported(module: nn.Module) -> bool:
     return type(module) is nn.Embedding and not module.scale_grad_by_freq and not module.sparse
 
 
+def _unsupported(module: nn.Module) -> str:
+    """Why hooks cannot attribute the parameters of ``module`` (not :func:`supported`), for messages."""
+    if type(module) is nn.Embedding:
+        return f"in an Embedding with {'sparse=True' if module.sparse else 'scale_grad_by_freq=True'}"
+    return f"in a {type(module).__name__}"
+
+
 def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list["Layer"], dict[int, str]]:
     """The hookable layers holding ``params``, and the parameters none covers: index → why (for messages).
 
@@ -45,7 +52,7 @@ def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list[
             continue
         module_name, module, name = next(iter(held.values()))
         if not supported(module) or name not in ("weight", "bias"):
-            uncovered[i] = (f"in a {type(module).__name__}" if not supported(module)
+            uncovered[i] = (_unsupported(module) if not supported(module)
                             else f"{name!r} of a {type(module).__name__}, neither weight nor bias")
             continue
         layer = layers.setdefault(id(module), Layer(module, module_name or type(module).__name__))

@@ -24,6 +24,7 @@ per-role updates (docs/probe.md, "Update attribution"; ``probe.last_update``).
 """
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -45,7 +46,7 @@ from gradscope.probe.method import GramMethod, token_terms
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
 from gradscope.probe.store import FlatStore, Store
-from gradscope.probe.updates import UpdateAttribution, UpdateResult
+from gradscope.probe.updates import UNITS, UpdateAttribution, UpdateResult
 from gradscope.runfile.schema import PROBE_METHODS
 
 #: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
@@ -129,6 +130,8 @@ class Probe:
                  update_unit: str = "role") -> None:
         if len(set(agents)) != len(agents) or not agents:
             raise ProbeError(f"agents must be a non-empty list of distinct names, got {list(agents)}")
+        if update_unit not in UNITS:
+            raise ProbeError(f"update_unit must be one of {UNITS}, got {update_unit!r}")
         missing = [a for a in agents if a not in roles]
         if missing:
             raise ProbeError(f"no role given for agents {missing}")
@@ -221,7 +224,7 @@ class Probe:
                 # the ranks' records differ where one fell back or made no checked call: every rank reports
                 # the highest-numbered one (a fallback over the check over plain hooks)
                 record = PROBE_METHODS[all_reduce_max([PROBE_METHODS.index(record)], self.process_group)[0]]
-            handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens,
+            handle.result = self.last = StepResult(step, policy, grams.sum(axis=0), grams, handle.tokens.copy(),
                                                    record, tuple(self._method.warnings))
             if self._updates is not None:
                 self._updates.collected(handle.result)
@@ -275,6 +278,9 @@ class Probe:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output: the next steps are measured as the saved probe's would
         be (a resumed run's ``/steps/method`` as an uninterrupted one's). ProbeError for another method's."""
+        if not isinstance(state, Mapping) or not {"method", "state"} <= set(state):
+            raise ProbeError("not a probe state: load_state_dict takes what Probe.state_dict() returned "
+                             "(a mapping with 'method' and 'state')")
         if state["method"] != self.method_name:
             raise ProbeError(f"the saved probe state is of method {state['method']!r}, this probe uses "
                              f"{self.method_name!r}")
@@ -321,14 +327,19 @@ class ProbeStep:
             tokens: agent name → number of tokens behind its term, added to the step's counts.
             retain_graph: keep the graph after the last term, as in ``Tensor.backward``.
         """
+        method = self._method()
         terms = []
         for agent, loss in losses.items():
-            if loss.dim() != 0:
-                raise ProbeError(f"loss term of {agent!r} must be a scalar, got shape {tuple(loss.shape)}")
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ProbeError(f"loss term of {agent!r} must be a scalar tensor, got "
+                                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
             terms.append((self._probe.agent_index(agent), loss))
+        counts = np.zeros_like(self.tokens)
         for agent, n in (tokens or {}).items():
-            self.tokens[self._probe.agent_index(agent)] += int(n)
-        self._method().backward(terms, retain_graph)
+            counts[self._probe.agent_index(agent)] += int(n)
+        if any(loss.requires_grad for _, loss in terms):
+            method.backward(terms, retain_graph)
+        self.tokens += counts
 
     @contextmanager
     def rows(self, agent_of_row: torch.Tensor | Sequence[int | str], batch_dim: int | None = None) -> Iterator[None]:
@@ -346,8 +357,9 @@ class ProbeStep:
         """
         if batch_dim is not None and (type(batch_dim) is not int or batch_dim < 0):
             raise ProbeError(f"batch_dim must be a non-negative dimension index of the layers' inputs, got {batch_dim!r}")
+        method = self._method()
         agents = self._agents(agent_of_row)
-        with self._method().tag(agents, batch_dim):
+        with method.tag(agents, batch_dim):
             yield
 
     def backward_rows(self, row_loss: torch.Tensor, agent_of_row: torch.Tensor | Sequence[int | str], *,
@@ -363,21 +375,27 @@ class ProbeStep:
             tokens: (B,) tokens of each row, added to its agent's count (default: none counted).
             retain_graph: keep the graph, as in ``Tensor.backward``.
         """
+        method = self._method()
         agents = self._agents(agent_of_row)
+        _tensor(row_loss, "row_loss")
         if row_loss.dim() not in (0, 1) or (row_loss.dim() == 1 and len(row_loss) != len(agents)):
             raise ProbeError(f"row_loss must be a scalar or have shape ({len(agents)},) like agent_of_row, "
                              f"got {tuple(row_loss.shape)}")
         if row_loss.dim() == 1 and bool((row_loss.detach()[agents < 0] != 0).any()):
             raise ProbeError("rows with agent -1 carry non-zero loss; mask them out or attribute them")
+        counts = np.zeros_like(self.tokens)
         if tokens is not None:
-            counts = torch.as_tensor(tokens).reshape(-1)
-            if len(counts) != len(agents):
-                raise ProbeError(f"tokens must have one count per row ({len(agents)}), got {len(counts)}")
-            self.tokens += np.bincount(agents[agents >= 0].cpu().numpy(), counts[agents.cpu() >= 0].cpu().numpy(),
-                                       minlength=len(self.tokens)).astype(np.int64)
-        present = sorted(set(agents[agents >= 0].tolist()))
-        terms = None if row_loss.dim() == 0 else (lambda: token_terms(row_loss, agents.to(row_loss.device), present))
-        self._method().backward_rows(row_loss, agents, terms, retain_graph)
+            per_row = torch.as_tensor(tokens).reshape(-1)
+            if len(per_row) != len(agents):
+                raise ProbeError(f"tokens must have one count per row ({len(agents)}), got {len(per_row)}")
+            counts += np.bincount(agents[agents >= 0].cpu().numpy(), per_row[agents.cpu() >= 0].cpu().numpy(),
+                                  minlength=len(self.tokens)).astype(np.int64)
+        if row_loss.requires_grad:
+            present = sorted(set(agents[agents >= 0].tolist()))
+            terms = None if row_loss.dim() == 0 else (lambda: token_terms(row_loss, agents.to(row_loss.device),
+                                                                          present))
+            method.backward_rows(row_loss, agents, terms, retain_graph)
+        self.tokens += counts
 
     def backward_tokens(self, token_loss: torch.Tensor, agent_ids: torch.Tensor, *,
                         retain_graph: bool = False) -> None:
@@ -388,6 +406,9 @@ class ProbeStep:
             agent_ids: (B, T) integer agent index per token; -1 for tokens of no agent (prompt,
                 padding), whose loss must be 0. One agent's tokens may span many sequences.
         """
+        method = self._method()
+        _tensor(token_loss, "token_loss")
+        _tensor(agent_ids, "agent_ids")
         if token_loss.shape != agent_ids.shape:
             raise ProbeError(f"token_loss {tuple(token_loss.shape)} and agent_ids {tuple(agent_ids.shape)} "
                              "must have the same shape")
@@ -400,21 +421,37 @@ class ProbeStep:
         counts = torch.bincount(agent_ids[~unowned].reshape(-1), minlength=len(self.tokens))
         if counts.numel() > len(self.tokens):
             raise ProbeError(f"agent id {counts.numel() - 1} out of range for {len(self.tokens)} agents")
+        if token_loss.requires_grad:
+            agents = [k for k, n in enumerate(counts.tolist()) if n > 0]
+            method.backward_rows(token_loss, _row_agents(agent_ids), lambda: token_terms(token_loss, agent_ids, agents),
+                                 retain_graph)
         self.tokens += counts.cpu().numpy()
-        agents = [k for k, n in enumerate(counts.tolist()) if n > 0]
-        self._method().backward_rows(token_loss, _row_agents(agent_ids),
-                                          lambda: token_terms(token_loss, agent_ids, agents), retain_graph)
 
     def _agents(self, agent_of_row: torch.Tensor | Sequence[int | str]) -> torch.Tensor:
         """(B,) int64 agent indices from indices or names (-1 / None: no agent)."""
         if isinstance(agent_of_row, torch.Tensor):
             agents = _integers(agent_of_row, "agent_of_row").reshape(-1).long()
         else:
-            agents = torch.tensor([-1 if a is None else self._probe.agent_index(a) if isinstance(a, str) else int(a)
-                                   for a in agent_of_row], dtype=torch.long)
+            agents = torch.tensor([self._agent(a) for a in agent_of_row], dtype=torch.long)
         if len(agents) and (int(agents.max()) >= len(self.tokens) or int(agents.min()) < -1):
             raise ProbeError(f"agent ids must be in [-1, {len(self.tokens) - 1}], got {agents.tolist()[:8]}...")
         return agents
+
+    def _agent(self, a: object) -> int:
+        """An agent index from one entry of a sequence: a name, an integer index, or None (no agent: -1)."""
+        if a is None:
+            return -1
+        if isinstance(a, str):
+            return self._probe.agent_index(a)
+        if isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)):
+            return int(a)
+        raise ProbeError(f"an agent must be a name, an integer index or None, got {a!r} ({type(a).__name__})")
+
+
+def _tensor(x: object, name: str) -> None:
+    """Refuse anything but a tensor for ``name``, with a ProbeError rather than an AttributeError later."""
+    if not isinstance(x, torch.Tensor):
+        raise ProbeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
 
 def _integers(ids: torch.Tensor, name: str) -> torch.Tensor:
@@ -454,10 +491,13 @@ def _choose_method(method: str, model: nn.Module | None, named: list[tuple[str, 
 def _named_params(model: nn.Module | None, params: ParamsLike | None) -> list[tuple[str, nn.Parameter]]:
     if params is not None:
         items = list(params)
-        if items and isinstance(items[0], tuple):
-            named = [(str(n), p) for n, p in items]
-        else:
-            named = [(f"param{i}", p) for i, p in enumerate(items)]
+        pairs = [isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor) for item in items]
+        bare = [isinstance(item, torch.Tensor) for item in items]
+        if not (all(pairs) or all(bare)):
+            raise ProbeError("params must be all (name, parameter) pairs or all parameters, not a mix or anything "
+                             f"else; got {sorted({type(item).__name__ for item in items})}")
+        named = ([(str(n), p) for n, p in items] if all(pairs)
+                 else [(f"param{i}", p) for i, p in enumerate(items)])
     elif model is None:
         raise ProbeError("give a model or an explicit params list")
     else:

@@ -298,3 +298,148 @@ def test_split_hands_each_term_s_gradients_and_keeps_grad_the_running_sum():
             assert p.grad is None, name
         else:
             torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), msg=name)
+
+
+# ---------------------------------------------------------------- the API's contracts, one case each
+@pytest.mark.parametrize("method", ["hooks", "split"])
+def test_a_refused_call_counts_no_tokens_and_a_late_one_changes_nothing(method):
+    """A call that raised still added its token counts — into the array that *is* ``result.tokens``, so a
+    call after the ``with`` block (refused) changed the finished step's counts, and a refused call inside it
+    counted tokens whose gradient is in no Gram. Now the counts are added once the call has succeeded."""
+    model = make_mlp()
+    x = torch.randn(4, 2, 5)
+    probe = Probe(model, AGENTS, ROLES, method=method)
+    with probe.step(0) as s:
+        s.backward_tokens(model(x).sum(-1), (torch.arange(4) % 4)[:, None].expand(4, 2))
+        with pytest.raises(ProbeError, match="unknown agent 'nobody'"):
+            s.backward({"voter0": model(x).sum()}, tokens={"voter0": 50, "nobody": 1})
+        with pytest.raises(ProbeError, match="must be a scalar tensor"):
+            s.backward({"voter0": model(x).sum(-1)}, tokens={"voter0": 7})
+        if method == "split":  # split cannot split a scalar row loss: refused
+            with pytest.raises(ProbeError, match="cannot split a scalar loss"):
+                s.backward_rows(model(x).sum(), [0, 1, 2, 3], tokens=[5, 5, 5, 5])
+    assert s.result.tokens.tolist() == [2, 2, 2, 2]
+    for late in (lambda: s.backward_tokens(model(x).sum(-1), torch.zeros(4, 2, dtype=torch.long)),
+                 lambda: s.backward_rows(model(x).sum((1, 2)), [0, 0, 1, 1], tokens=[9, 9, 9, 9]),
+                 lambda: s.backward({"aggregator": model(x).sum()}, tokens={"aggregator": 100})):
+        with pytest.raises(ProbeError, match="step 0 is not open"):
+            late()
+    assert s.result.tokens.tolist() == [2, 2, 2, 2] and probe.last.tokens.tolist() == [2, 2, 2, 2]
+    probe.close()
+
+
+@pytest.mark.parametrize("method", ["hooks", "split"])
+def test_a_loss_without_gradient_adds_nothing_raises_nothing_and_counts_its_tokens(method):
+    """Under split a scalar row loss without gradient raised 'cannot split a scalar loss'; under hooks a
+    ``backward({...})`` of such losses was recorded as a split fallback though nothing was back-propagated."""
+    model = make_mlp()
+    x = torch.randn(4, 2, 5)
+    probe = Probe(model, AGENTS, ROLES, method=method)
+    with probe.step(0) as s:
+        with torch.no_grad():
+            s.backward_rows(model(x).sum(), [0, 1, 2, 3], tokens=[1, 2, 3, 4])
+            s.backward({"voter0": model(x).sum()}, tokens={"voter0": 10})
+            s.backward_tokens(model(x).sum(-1), torch.ones(4, 2, dtype=torch.long))
+    probe.close()
+    assert s.result.tokens.tolist() == [11, 10, 3, 4]
+    assert s.result.method == method and not s.result.gram.any()
+    assert all(p.grad is None for p in model.parameters())
+    assert getattr(probe._method, "fallback_calls", 0) == 0
+
+
+def test_malformed_arguments_are_one_line_probe_errors():
+    """Each of these raised a TypeError / AttributeError / KeyError from inside the probe, or was taken
+    silently (a float agent 1.7 as agent 1; a mixed params list unpacked a 2-row weight as (name, param))."""
+    model = make_mlp()
+    for groups in (["0.", "2."], 3):
+        with pytest.raises(ProbeError, match="groups must be None, one of"):
+            Probe(model, AGENTS, ROLES, groups=groups)
+    with pytest.raises(ProbeError, match="params must be all .name, parameter. pairs or all parameters"):
+        Probe(model, AGENTS, ROLES, params=[("head", model[2].weight), model[0].weight])
+    with pytest.raises(ProbeError, match="update_unit must be one of"):
+        Probe(model, AGENTS, ROLES, update_unit="bogus")
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match="not a probe state"):
+        probe.load_state_dict({})
+    x = torch.randn(4, 2, 5)
+    with probe.step(0) as s:
+        with pytest.raises(ProbeError, match="agent_ids must be a torch.Tensor, got list"):
+            s.backward_tokens(model(x).sum(-1), [[0, 0]] * 4)
+        with pytest.raises(ProbeError, match="token_loss must be a torch.Tensor"):
+            s.backward_tokens(model(x).sum(-1).tolist(), torch.zeros(4, 2, dtype=torch.long))
+        for rows in ([0.0, 1.7, 2, 3], np.array([0.0, 1.7, 2.0, 3.0]), [True, 0, 1, 2]):
+            with pytest.raises(ProbeError, match="an agent must be a name, an integer index or None"):
+                s.backward_rows(model(x).sum((1, 2)), rows)
+        s.backward_rows(model(x).sum((1, 2)), np.array([0, 1, 2, 3]))  # numpy integers are indices
+        s.backward_rows(model(x).sum((1, 2)) * torch.tensor([1.0, 0.0, 1.0, 1.0]), ["voter0", None, np.int64(2), 3])
+    probe.close()
+    assert s.result.method == "hooks+check"
+    sparse = nn.Sequential(nn.Embedding(11, 6, sparse=True), nn.Linear(6, 5))
+    with pytest.raises(ProbeError, match=r"0.weight \(in an Embedding with sparse=True\)"):
+        Probe(sparse, AGENTS, ROLES, method="hooks")
+
+
+@pytest.mark.parametrize("case", ["ghost form", "rows of no agent, one matmul per agent", "bias only"])
+def test_grad_is_autograds_bit_for_bit_where_hooks_only_observe(case):
+    """Where hooks does not form the weight gradient itself (docs/probe.md, Guarantees), ``.grad`` is autograd's
+    bit for bit — biases included: they were the probe's per-row sums, ~5e-7 off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    if case == "ghost form":  # 12 tokens against 64 × 64 weights
+        x, ids = torch.randn(4, 3, 64), torch.tensor([0, 1, 2, 0])[:, None].expand(4, 3)
+    else:  # products too big to form per row (40 × 64 × 64 > 4 × rows × T × 128): one matmul per agent
+        x, ids = torch.randn(40, 3, 64), torch.tensor([0, 1, 2, -1] * 10)[:, None].expand(40, 3)
+    params = [(n, p) for n, p in model.named_parameters() if case != "bias only" or n.endswith("bias")]
+
+    def token_loss():
+        return (model(x) ** 2).sum(-1) * (ids >= 0)
+    token_loss().sum().backward()
+    unprobed = [p.grad.clone() for _, p in params]
+    terms = {a: token_loss()[ids == k].sum() for k, a in enumerate(AGENTS)}
+    expected = brute_force_gram(terms, [p for _, p in params])
+    model.zero_grad(set_to_none=True)
+    probe = Probe(model, AGENTS, ROLES, method="hooks", params=params)
+    with probe.step(0) as s:
+        s.backward_tokens(token_loss(), ids)
+    probe.close()
+    assert all(torch.equal(p.grad, g) for (_, p), g in zip(params, unprobed))
+    assert rel_err(s.result.gram, expected) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_which_entries_a_non_finite_row_spoils_with_one_matmul_per_agent(bias):
+    """docs/probe.md: with one matmul per agent a non-finite row spoils only its agent's entries of the weight;
+    a bias's per-agent sums combine the rows, so a probed bias spoils every entry of its group."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=bias), nn.Tanh(), nn.Linear(64, 64, bias=bias))
+    x = torch.randn(40, 3, 64)
+    x[2, 1, 0] = float("nan")  # row 2: agent 2's
+    ids = torch.tensor([0, 1, 3, 0] * 10)[:, None].expand(40, 3).clone()
+    ids[2::4] = 2
+    probe = Probe(model, AGENTS, ROLES, method="hooks", check_every=None)
+    with probe.step(0) as s:
+        s.backward_tokens((model(x) ** 2).sum(-1), ids)
+    probe.close()
+    finite = np.isfinite(s.result.gram)
+    spoilt = np.zeros((4, 4), bool)
+    if bias:
+        spoilt[:] = True
+    else:
+        spoilt[2, :] = spoilt[:, 2] = True
+    assert (finite == ~spoilt).all() and s.result.finite is False
+
+
+def test_a_declared_batch_dim_the_input_lacks_falls_back_to_split():
+    torch.manual_seed(0)
+    model = make_mlp()
+    x, rows = torch.randn(4, 3, 5), [0, 1, 2, 0]
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.warns(RuntimeWarning, match=r"layer '0': input of shape \(4, 3, 5\) has no dimension 5 of size B = 4"):
+        with probe.step(0) as s:
+            with s.rows(rows, batch_dim=5):
+                out = model(x)
+            s.backward_rows(out.sum((1, 2)), rows)
+    probe.close()
+    terms = {a: model(x).sum((1, 2))[[r == k for r in rows]].sum() for k, a in enumerate(AGENTS)}
+    assert s.result.method == "split-fallback:unmatched-rows"
+    assert rel_err(s.result.gram, brute_force_gram(terms, list(model.parameters()))) < 1e-6
