@@ -432,7 +432,8 @@ def _wrap_diagonals(Z: torch.Tensor) -> torch.Tensor:
 
 def _tensor_hashed(p: torch.Tensor, k: int) -> bool:
     """Whether ``p`` gets the tensor-structured hash: a matrix whose per-token products cost more than
-    sketching the token's two factors by FFT, ``d_out d_in > 4 (d_out + d_in + 5 k log₂ k)`` (full-width
+    sketching the token's two factors by FFT, ``d_out d_in > 4 (d_out + d_in + 5 k ⌊log₂ k⌋)``, ``⌊log₂ k⌋`` at
+    least 1 (full-width
     weights; not LoRA factors, whose per-agent products are cheap to form and hash)."""
     if p.dim() < 2:
         return False

@@ -493,3 +493,16 @@ def test_a_folded_bias_is_the_weights_extra_column_within_the_bound(monkeypatch,
     z = err[:, iu[0], iu[1]] / np.sqrt(3 * (np.outer(d, d) + M ** 2)[iu] / k)
     assert np.all(np.mean(z ** 2, axis=0) <= 1.3)
     assert np.all(np.abs(z.mean(0)) <= 4 / np.sqrt(300))
+
+
+@pytest.mark.parametrize("k, shape, tensor", [(48, (76, 76), True), (48, (73, 73), False), (3, (13, 13), True),
+                                              (3, (12, 12), False), (1, (10, 10), False), (1, (11, 11), True),
+                                              (256, (512, 512), True), (256, (512, 64), False)])
+def test_which_matrices_are_tensor_hashed_is_the_documented_rule(k, shape, tensor):
+    """docs/probe.md: ``d_out d_in > 4 (d_out + d_in + 5 k ⌊log₂k⌋)``, ``⌊log₂k⌋`` at least 1 (the doc said log₂k,
+    which tensor-hashed a 10 × 10 weight at k = 1 and not a 76 × 76 one at k = 48)."""
+    layer = nn.Linear(shape[1], shape[0], bias=False)
+    store = SketchStore([layer.weight], ["weight"], [0], 1, 1, Sketch(k, 0))
+    assert bool(store.tensor[0]) is tensor
+    rows, cols = shape
+    assert (rows * cols > 4 * (rows + cols + 5 * k * max(1, int(np.floor(np.log2(k)))))) is tensor
