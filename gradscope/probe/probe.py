@@ -445,6 +445,8 @@ class ProbeStep:
             return self._probe.agent_index(a)
         if isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)):
             return int(a)
+        if isinstance(a, torch.Tensor) and a.dim() == 0:  # an entry of list(agent_tensor)
+            return int(_integers(a, "agent_of_row"))
         raise ProbeError(f"an agent must be a name, an integer index or None, got {a!r} ({type(a).__name__})")
 
 

@@ -371,6 +371,9 @@ def test_malformed_arguments_are_one_line_probe_errors():
             with pytest.raises(ProbeError, match="an agent must be a name, an integer index or None"):
                 s.backward_rows(model(x).sum((1, 2)), rows)
         s.backward_rows(model(x).sum((1, 2)), np.array([0, 1, 2, 3]))  # numpy integers are indices
+        s.backward_rows(model(x).sum((1, 2)), list(torch.tensor([0, 1, 2, 3])))  # and 0-d integer tensors
+        with pytest.raises(ProbeError, match="agent_of_row must be integers"):
+            s.backward_rows(model(x).sum((1, 2)), list(torch.tensor([0.0, 1.0, 2.0, 3.0])))
         s.backward_rows(model(x).sum((1, 2)) * torch.tensor([1.0, 0.0, 1.0, 1.0]), ["voter0", None, np.int64(2), 3])
     probe.close()
     assert s.result.method == "hooks+check"
