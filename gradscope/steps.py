@@ -69,7 +69,8 @@ def shared_set_stats(gram: np.ndarray, tokens: np.ndarray, agent_roles: list[str
 
 
 def step_columns(columns: Mapping[str, np.ndarray], gram: np.ndarray, record_step: np.ndarray,
-                 agents: Sequence[str], agent_roles: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                 agents: Sequence[str], agent_roles: Sequence[str],
+                 roles: Sequence[str] | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Per-record ``stats.derive`` columns, aggregated per training step by the rule above.
 
     A column's value at step t is the mean over t's records in which its subject has a gradient:
@@ -82,18 +83,22 @@ def step_columns(columns: Mapping[str, np.ndarray], gram: np.ndarray, record_ste
     Args:
         columns: name → (N,) per-record values (``stats.derive`` of ``gram``).
         gram: (N, K, K) the records' Grams; record_step: (N,) their training steps.
+        roles: every role the columns may name (default: the agents' roles); a role no agent has is never
+            present, so its columns are NaN. Role pairs match in either order (``role_cos`` names them in the
+            agents' order of first appearance, ``update_cos`` in the run's ``roles`` order).
     Returns:
         (steps, columns): the T distinct steps, increasing, and name → (T,) per-step values.
     """
     steps, index = np.unique(np.asarray(record_step), return_inverse=True)
     agents = list(agents)
-    P, roles = stats.role_indicator(list(agent_roles))
+    P, roles = stats.role_indicator(list(agent_roles), None if roles is None else list(roles))
     agent_on = np.nan_to_num(stats.agent_norms(gram), nan=0.0) > 0         # (N, K)
     role_on = present(stats.role_norms(gram, P))                           # (N, R)
-    subjects = {"norm": {a: agent_on[:, k] for k, a in enumerate(agents)}}  # family → subject → (N,) mask
-    for family, names, on in (("cos", agents, agent_on), ("role_cos", roles, role_on), ("update_cos", roles, role_on)):
-        subjects[family] = {f"{names[i]}|{names[j]}": on[:, i] & on[:, j]
-                            for i, j in zip(*np.triu_indices(len(names), k=1))}
+    subjects = {"norm": {a: agent_on[:, k] for k, a in enumerate(agents)},  # family → subject → (N,) mask
+                "cos": {f"{agents[i]}|{agents[j]}": agent_on[:, i] & agent_on[:, j]
+                        for i, j in zip(*np.triu_indices(len(agents), k=1))}}
+    subjects["role_cos"] = subjects["update_cos"] = {f"{roles[i]}|{roles[j]}": role_on[:, i] & role_on[:, j]
+                                                     for i in range(len(roles)) for j in range(len(roles)) if i != j}
     of_role = {r: role_on[:, j] for j, r in enumerate(roles)}                # every other family
     out = {}
     for name, values in columns.items():

@@ -563,7 +563,7 @@ class RunReader:
                                        meta.roles))
         if per == "record":
             return pd.DataFrame({"step": self.step, "opt_step": self.opt_step, "policy": self.policy, **cols})
-        step, per_step = steps.step_columns(cols, self.gram, self.step, meta.agents, meta.agent_roles)
+        step, per_step = steps.step_columns(cols, self.gram, self.step, meta.agents, meta.agent_roles, meta.roles)
         records = np.bincount(np.searchsorted(step, self.step), minlength=len(step))
         return pd.DataFrame({"step": step.astype(np.int64), "records": records.astype(np.int64), **per_step})
 

@@ -117,3 +117,33 @@ def test_scalars_carry_step_and_policy(tmp_path: Path) -> None:
     assert list(sc["scalar/step"]) == [10.0 * i for i in range(6)]
     per_step = sc.groupby("step")["loss"].mean()  # the documented pattern: one point per training step
     assert list(per_step) == [0.5, 2.5, 4.5]
+
+
+@pytest.mark.parametrize("roles", [["voter", "aggregator"], ["aggregator", "voter"], ["critic", "aggregator", "voter"]])
+def test_update_columns_per_step_whatever_the_order_of_roles(tmp_path: Path, roles: list[str]) -> None:
+    """A step's ``update_cos`` is the mean over its records in which both roles have a gradient, in any order of
+    ``RunMeta.roles``: named in that order, it matched no subject and averaged every record (0.40, not 0.80);
+    a role no agent holds got 0 per step, not NaN."""
+    import types
+    path = tmp_path / "run.h5"
+    meta = RunMeta(agents=["v0", "v1", "agg"], agent_roles=["voter", "voter", "aggregator"], roles=roles,
+                   update_unit="role")
+    components = [*roles, "unattributed", "weight_decay"]
+
+    def update(parts: dict[str, list[float]]) -> types.SimpleNamespace:
+        D = np.array([parts.get(c, [0.0, 0.0]) for c in components])
+        return types.SimpleNamespace(gram=D @ D.T, interference=np.zeros((len(components), 3)),
+                                     grad_scale=1.0, residual=0.0)
+    with RunWriter(path, meta) as w:
+        g = np.array([[1.0, 0], [1.0, 0], [0, 0]])  # the voters only
+        w.log_step(0, g @ g.T, [1, 1, 0], update=update({"voter": [1.0, 0]}))
+        g = np.array([[1.0, 0], [1.0, 0], [0, 1.0]])  # both roles; their updates at cosine 0.8
+        w.log_step(0, g @ g.T, [1, 1, 1], update=update({"voter": [1.0, 0], "aggregator": [0.8, 0.6]}))
+    with open_run(path) as run:
+        per_step = run.stats(per="step")
+    pair = "aggregator|voter" if roles.index("aggregator") < roles.index("voter") else "voter|aggregator"
+    assert per_step[f"update_cos/{pair}"][0] == pytest.approx(0.8)
+    assert per_step["role_update_norm/voter"][0] == pytest.approx(1.0)
+    if "critic" in roles:
+        assert np.isnan(per_step["role_update_norm/critic"][0])
+        assert np.isnan(per_step["update_cos/critic|aggregator"][0])
