@@ -226,6 +226,16 @@ class RunMeta:
             return []
         return [*(self.roles if self.update_unit == "role" else self.agents), *UPDATE_EXTRAS]
 
+    def validate_new(self) -> None:
+        """:meth:`validate`, and the rules for a run written now: no ``|`` in agent or role names (it separates the
+        two names of a pair's column, ``cos/<A>|<B>``: "a" and "b|c" would share one with "a|b" and "c"). Files
+        written before the rule still read."""
+        self.validate()
+        for what, names in (("agents", self.agents), ("roles", self.roles)):
+            if any("|" in n for n in names):
+                raise ValueError(f"RunMeta.{what} must not contain '|' (it separates the names of a pair in columns "
+                                 f"such as cos/<A>|<B>): {sorted(n for n in names if '|' in n)}")
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first inconsistency."""
         if not self.agents:

@@ -113,7 +113,7 @@ class RunWriter:
         flush_every = _as_int(flush_every, "flush_every")
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
-        meta.validate()
+        meta.validate_new()
         self.path = os.fspath(path)
         self.meta = dataclasses.replace(meta.with_defaults(), flush_every=flush_every)
         self.flush_every = flush_every
@@ -251,6 +251,8 @@ class RunWriter:
         if t.shape != (K,):
             raise ValueError(f"tokens must have shape ({K},) for {K} agents, got {t.shape}")
         if t.dtype.kind != "i":
+            if not np.isfinite(t).all():
+                raise ValueError(f"tokens must be whole numbers, got {t}")
             ti = t.astype(np.int64)
             if not np.array_equal(ti, t):
                 raise ValueError(f"tokens must be whole numbers, got {t}")

@@ -263,6 +263,7 @@ def test_strings_are_truncated_by_rule(tmp_path: Path) -> None:
     (dict(tokens=np.ones(5, dtype=int)), r"tokens must have shape \(4,\)"),
     (dict(tokens=[1, 2, -1, 3]), "tokens must be >= 0"),
     (dict(tokens=[1.5, 2, 1, 3]), "whole numbers"),
+    (dict(tokens=[float("nan"), 2, 1, 3]), "whole numbers"),  # (no NumPy cast warning before it)
     (dict(scalars={"loss": 1.0, "acc": 2.0}), "undeclared scalar 'acc'"),
     (dict(scalars={"loss": "high"}), "must be a number"),
     (dict(policy="nope"), "unknown policy 'nope'"),
@@ -276,7 +277,8 @@ def test_log_step_validation(tmp_path: Path, kwargs: dict[str, Any], match: str)
     with RunWriter(tmp_path / "v.h5", make_meta(), flush_every=1) as w:
         # Same scalar names as the "high" case: that one then takes the cached-columns path.
         w.log_step(0, np.eye(4), np.ones(4, dtype=int), scalars={"loss": 0.5})
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match), warnings.catch_warnings():
+            warnings.simplefilter("error")
             w.log_step(args.pop("step"), args.pop("gram"), args.pop("tokens"), **args)
     with open_run(tmp_path / "v.h5") as run:
         assert run.n_steps == 1  # the rejected record left no trace
@@ -328,6 +330,19 @@ def test_group_gram_needs_declared_groups(tmp_path: Path) -> None:
 def test_meta_validation(over: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make_meta(**over)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(agents=["a", "b|c", "a|b", "c"]), r"agents must not contain '\|'"),  # cos/a|b|c would be two pairs'
+    (dict(agent_roles=["v|w", "v|w", "v|w", "aggregator"], roles=["v|w", "aggregator"]), r"roles must not contain"),
+])
+def test_a_new_run_refuses_the_pair_separator_in_names(tmp_path: Path, over: dict[str, Any], match: str) -> None:
+    """Agents "a", "b|c", "a|b", "c" gave one column cos/a|b|c to two pairs (derive returned 18 columns of 19);
+    a file written before the rule still reads."""
+    meta = make_meta(**over)
+    with pytest.raises(ValueError, match=match):
+        RunWriter(tmp_path / "new.h5", meta)
+    assert not (tmp_path / "new.h5").exists()
 
 
 def test_refuses_overwrite_and_bad_paths(tmp_path: Path) -> None:
