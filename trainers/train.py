@@ -76,7 +76,12 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     rules = collect_rules(cfg.alert, cfg.alerts, cfg.default_alerts)
     check_selectors(rules, list(workflow.agents), [workflow.agent_roles[a] for a in workflow.agents],
                     policy.adapters)
-    for name in parse_sinks(cfg.log_to):  # a missing extra or an unusable --log-dir before the run file exists
+    sinks = parse_sinks(cfg.log_to)
+    if cfg.log_to.strip() and not sinks:
+        raise ConfigError(f"--log-to {cfg.log_to!r} names no dashboard; use one or more of tensorboard,wandb,mlflow")
+    if cfg.log_dir is not None and not sinks:
+        raise ConfigError("--log-dir is the folder of the --log-to dashboards, and --log-to names none")
+    for name in sinks:  # a missing extra or an unusable --log-dir before the run file exists
         check_sink(name, log_folder(cfg) / name)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")

@@ -53,15 +53,17 @@ class DashboardNames:
     :func:`scalar_name` makes one are a ConfigError, never a value silently lost."""
 
     def __init__(self, agents: Sequence[str], agent_roles: Sequence[str]) -> None:
-        self._source: dict[str, str] = {}
+        self._source: dict[str, str] = {}  # tag → what it names (repr of a statistic's or metric's name)
         #: the statistics' names (of these agents and roles), which metrics never replace
         self.statistics = {self.claim(tag, tag) for tag in (statistic_names(agents, agent_roles) if agents else [])}
 
     def claim(self, source: str, tag: str | None = None) -> str:
         """``tag`` (default ``scalar_name(source)``), now ``source``'s; ConfigError if another's."""
-        tag = scalar_name(source) if tag is None else tag
-        if self._source.setdefault(tag, source) != source:
-            raise ConfigError(f"{self._source[tag]!r} and {source!r} both become the dashboard name {tag!r} "
+        return self._claim(repr(source), scalar_name(source) if tag is None else tag)
+
+    def _claim(self, what: str, tag: str) -> str:
+        if self._source.setdefault(tag, what) != what:
+            raise ConfigError(f"{self._source[tag]} and {what} both become the dashboard name {tag!r} "
                               f"(characters other than letters, digits and _ . / - space become _): rename one")
         return tag
 
@@ -71,7 +73,8 @@ class DashboardNames:
         tag = scalar_name(prefix + name)
         if tag in self.statistics:  # a metric named like a statistic (TRL's grad_norm) never replaces it
             tag = scalar_name("metric/" + name)
-        return self.claim(prefix + name, tag)
+        # (an evaluation says so: a metric "eval/acc" and an evaluation "acc" are two values)
+        return self._claim(f"evaluation {name!r}" if prefix else repr(name), tag)
 
 
 def step_scalars(gram: ArrayLike, tokens: ArrayLike, record_step: ArrayLike, agents: Sequence[str],
@@ -107,8 +110,14 @@ def step_scalars(gram: ArrayLike, tokens: ArrayLike, record_step: ArrayLike, age
         cols.update({f"{name}/{r}": (values[:, j], r_on[:, j]) for j, r in enumerate(roles)})
     for name, cos, names, on in (("cos", stats.cosine(M), list(agents), a_on),
                                  ("role_cos", stats.cosine(stats.role_gram(M, P)), roles, r_on)):
+        pairs: dict[str, tuple[str, str]] = {}
         for i, j in zip(*np.triu_indices(len(names), k=1)):
-            cols[f"{name}/{names[i]}/{names[j]}"] = (cos[:, i, j], on[:, i] & on[:, j])
+            tag = f"{name}/{names[i]}/{names[j]}"
+            if tag in pairs:  # names holding '/': ("x/y", "z") and ("x", "y/z") would be one value
+                raise ConfigError(f"the pairs {pairs[tag]} and {(names[i], names[j])} both become the dashboard name "
+                                  f"{tag!r}: rename one ('/' in a name)")
+            pairs[tag] = (names[i], names[j])
+            cols[tag] = (cos[:, i, j], on[:, i] & on[:, j])
     names = DashboardNames((), ())  # agents a:1 and a_1: an error, not one value lost
     return uniq, {names.claim(n): steps.step_mean(v, index, len(uniq), mask) for n, (v, mask) in cols.items()}
 

@@ -27,6 +27,7 @@ auxiliary losses.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -75,8 +76,9 @@ def agent_ids(values: Sequence[Any], completion_mask: torch.Tensor, loss_mask: t
         if value is None:  # the whole completion is no agent's: none of its tokens may be trained
             continue
         if not isinstance(value, Sequence):
-            raise ProbeError(f"completion {b}: agent {value!r} is neither an agent name nor a list of one agent "
-                             f"name per completion token")
+            shown = " ".join(repr(value).split())  # one line (a NumPy array's repr spans several)
+            raise ProbeError(f"completion {b}: agent {shown[:80] + ('...' if len(shown) > 80 else '')} is neither an "
+                             "agent name nor a list of one agent name per completion token")
         if not lengths[b]:  # masked out whole (TRL's mask_truncated_completions): it trains nothing
             continue
         names = list(value)
@@ -124,6 +126,17 @@ class GradscopeGRPOTrainer(GRPOTrainer):
                  run_file: str | os.PathLike[str] | None = None,
                  probe_options: Mapping[str, Any] | None = None, update_unit: str | None = None,
                  **kwargs: Any) -> None:
+        if not isinstance(roles, Mapping) or not all(isinstance(a, str) and isinstance(r, str)
+                                                     for a, r in roles.items()):
+            raise ProbeError(f"roles must map each agent's name to its role's name (str → str), got {roles!r}")
+        if not isinstance(probe_options, (Mapping, type(None))) or set(probe_options or {}) & {"model", "agents",
+                                                                                             "roles"}:
+            raise ProbeError("probe_options: Probe's keyword options (params, groups, method, sketch, ...), not its "
+                             "model, agents or roles")
+        unknown = set(probe_options or {}) - set(inspect.signature(Probe).parameters)
+        if unknown:
+            raise ProbeError(f"probe_options: Probe has no option {sorted(unknown)[0]!r}; its options are "
+                             f"{sorted(set(inspect.signature(Probe).parameters) - {'model', 'agents', 'roles'})}")
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:
             raise ProbeError("the MoE router auxiliary loss is not attributable to agents; set "
@@ -180,13 +193,25 @@ class GradscopeGRPOTrainer(GRPOTrainer):
                                "pass another run_file (one per train() call, also when resuming) or move this one")
         if not self.accelerator.is_main_process:
             return super().train(*args, **kwargs)
-        with RunWriter(self._run_file, self.run_meta()) as self._writer:
+        with RunWriter(self._run_file, self.run_meta(), flush_every=1) as self._writer:  # live for gradscope watch
             try:
                 return super().train(*args, **kwargs)
             finally:
                 self._writer = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # transformers evaluates at the last step whenever evaluation is on: the end-of-training summary is then
+        # logged in eval mode, where TRL merges (and we take) none of the last window's training metrics
+        summary = "train_runtime" in logs and not self.model.training and bool(self._metrics["train"])
+        if summary:
+            self.model.train()
+        try:
+            self._log(logs, start_time)
+        finally:
+            if summary:
+                self.model.eval()
+
+    def _log(self, logs: dict[str, float], start_time: float | None) -> None:
         regular = "loss" in logs  # the Trainer's log every logging_steps (loss, grad_norm, learning_rate, ...)
         # TRL merges its training metrics of the window into a log made in training mode: also into the
         # end-of-train summary (train_runtime, ...) when max_steps is not a multiple of logging_steps
@@ -217,6 +242,8 @@ class GradscopeGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)  # rollout fields are merged into inputs
+        if not self.model.training:  # an evaluation trains nothing: its completions need no agent
+            return output
         loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
         output[AGENT_IDS] = agent_ids([self._agent_of(x) for x in inputs], output["completion_mask"], loss_mask,
                                       self._agent_index)

@@ -116,6 +116,8 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     ("--dist-timeout", "1e300", "--dist-timeout must be a finite number in (0, 1e+06]"),
     ("--eval-every", "-1", "--eval-every must be a whole number >= 0"),
     ("--steps", "0", "--steps must be a whole number >= 1"),
+    ("--log-to", ",", "--log-to ',' names no dashboard"),
+    ("--log-dir", "logs", "--log-dir is the folder of the --log-to dashboards, and --log-to names none"),
 ])
 def test_train_flags_refused_before_any_model(tmp_path: Path, no_model: None, flag: str, value: str,
                                               words: str) -> None:

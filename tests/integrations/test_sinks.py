@@ -346,3 +346,16 @@ def test_a_long_mlflow_message_is_cut_at_a_word():
     text = "word " * 100 + "\nsecond line"
     short = _message(MlflowException(text))
     assert len(short) <= 300 and short.endswith("word ...") and "second" not in short
+
+
+def test_two_values_of_one_dashboard_name_are_an_error_whatever_makes_them_one():
+    """Agents "x/y", "z", "x", "y/z" gave the pairs (x/y, z) and (x, y/z) the one name cos/x/y/z, and a metric
+    "eval/acc" and an evaluation "acc" the one name gradscope/eval/acc: one value of each silently lost."""
+    from gradscope.errors import ConfigError
+    from gradscope.integrations.scalars import DashboardNames, step_scalars
+    with pytest.raises(ConfigError, match=r"the pairs \('x/y', 'z'\) and \('x', 'y/z'\) both become .*'cos/x/y/z'"):
+        step_scalars(np.eye(4)[None], np.ones((1, 4)), [1], ["x/y", "z", "x", "y/z"], ["r"] * 4)
+    names = DashboardNames(["a"], ["r"])
+    assert names.metric("eval/acc") == names.metric("eval/acc") == "gradscope/eval/acc"
+    with pytest.raises(ConfigError, match="'eval/acc' and evaluation 'acc' both become the dashboard name"):
+        names.metric("acc", prefix="eval/")

@@ -267,12 +267,19 @@ def test_groups_reach_the_run_file(tmp_path):
         np.testing.assert_allclose(r.group_gram[-1].sum(0), r.gram[-1], rtol=1e-6)
 
 
-def test_the_last_partial_logging_window_reaches_the_run_file(tmp_path):
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_the_last_partial_logging_window_reaches_the_run_file(tmp_path, evaluate):
     """max_steps=3, logging_steps=2: TRL puts step 3's metrics into its end-of-train summary (beside
-    train_runtime, ...); the run file gets them at step 3, not the summary's own entries."""
+    train_runtime, ...); the run file gets them at step 3, not the summary's own entries — also when
+    transformers evaluates at the last step (the summary is then logged in eval mode, where TRL merged
+    none of them: they, step 3's statistics and gradscope/grad_norm were lost)."""
+    from tests.integrations.trl_case import dataset
     run = tmp_path / "run.h5"
-    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=3, logging_steps=2)
+    evaluation = dict(eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=16,
+                      eval_dataset=dataset()) if evaluate else {}
+    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=3, logging_steps=2, **evaluation)
     trainer.train()
+    assert not trainer._metrics["train"] and trainer.model.training is not evaluate  # (the mode left as it was)
     summary = trainer.state.log_history[-1]
     assert "train_runtime" in summary and "reward" in summary and "loss" not in summary
     assert summary["gradscope/grad_norm"] == pytest.approx(np.sqrt(trainer.gradscope_last.gram.sum()), rel=1e-6)
@@ -282,3 +289,33 @@ def test_the_last_partial_logging_window_reaches_the_run_file(tmp_path):
     assert metrics.loc[3, "reward"] == pytest.approx(summary["reward"])
     assert "train_runtime" not in metrics and "train_loss" not in metrics
     assert not [n for n in metrics if str(n).startswith("gradscope/")]
+
+
+def test_the_run_file_is_live_and_an_evaluation_needs_no_agent_column(tmp_path):
+    """The writer flushed every 10 records, so `gradscope watch` on a TRL run saw nothing for 9 steps; and an
+    eval_dataset without the agent column stopped training at the first evaluation (it trains nothing)."""
+    from transformers import TrainerCallback
+
+    from tests.integrations.trl_case import dataset
+    run, seen = tmp_path / "run.h5", {}
+    reader = "import sys; from gradscope.runfile import open_run; r = open_run(sys.argv[1]); print(r.n_steps)"
+
+    class Live(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            out = subprocess.run([sys.executable, "-c", reader, str(run)], capture_output=True, text=True, timeout=120)
+            seen[state.global_step] = out.stdout.strip() or out.stderr.strip()[-300:]
+
+    trainer = make_trainer(str(tmp_path / "out"), run_file=run, max_steps=2, eval_strategy="steps", eval_steps=1,
+                           per_device_eval_batch_size=16, eval_dataset=dataset().remove_columns("agent"),
+                           callbacks=[Live()])
+    trainer.train()
+    assert seen == {1: "1", 2: "2"}
+    assert [log["step"] for log in trainer.state.log_history if "eval_loss" in log] == [1, 2]
+
+
+def test_bad_roles_and_probe_options_are_one_line_errors(tmp_path):
+    for roles in (["voter0", "aggregator"], {0: "voter", 1: "aggregator"}):
+        with pytest.raises(ProbeError, match="roles must map each agent's name to its role's name"):
+            GradscopeGRPOTrainer(model=None, roles=roles)
+    with pytest.raises(ProbeError, match="probe_options: Probe has no option 'bogus'"):
+        GradscopeGRPOTrainer(model=None, roles=ROLES, probe_options={"bogus": 1})
