@@ -45,7 +45,7 @@ class Alert:
     def message(self) -> str:
         r = self.rule
         if r.statistic == "nonfinite":
-            cond = "non-finite gradient statistics"
+            cond = "non-finite gradient statistics or scalars"
         else:
             ref = f"{_num(self.reference)}" if r.aggregate is None else \
                 f"{_num(r.threshold)}x {r.aggregate}({r.window}) = {_num(self.reference)}"

@@ -64,7 +64,7 @@ class StepValues:
         M = np.asarray(gram, dtype=np.float64).reshape(-1, len(self.agents), len(self.agents))
         N = len(M)
         pol = ["all" if not p else str(p) for p in (policies if policies is not None else [None] * N)]
-        bad_scalars = any(not np.isfinite(v) for s in scalars or () for v in s.values())
+        bad_scalars = any(np.isinf(v) for s in scalars or () for v in s.values())  # (NaN: not logged)
         out = {"nonfinite": float(not stats.finite_mask(M).all() or bad_scalars)}
         present = steps.present(stats.role_norms(M, self.P))     # (N, R)
         out.update(self._roles(M, present))
@@ -80,9 +80,10 @@ class StepValues:
             seen += [r for j, r in enumerate(self.roles) if present[mine, j].any() and r not in seen]
             seen.sort(key=self.roles.index)
             tok = None if tokens is None else np.asarray(tokens, dtype=np.float64).reshape(N, -1)[mine]
-            out.update(self._policy(p, M[mine], tok, seen, [scalars[i] for i in np.flatnonzero(mine)] if scalars else []))
+            _largest(out, self._policy(p, M[mine], tok, seen, [scalars[i] for i in np.flatnonzero(mine)]
+                                       if scalars else []))
             if UG is not None and len(seen) >= 2 and self._want("update_share", "update_share_gap"):
-                out.update(self._update_shares(M[mine], tok, UG[mine], seen))
+                _largest(out, self._update_shares(M[mine], tok, UG[mine], seen))
         return out
 
     def _updates(self, UG: np.ndarray, UI: np.ndarray, present: np.ndarray) -> dict[str, float]:
@@ -187,18 +188,30 @@ class StepValues:
         return out
 
     def evals(self, values: Mapping[str, float]) -> dict[str, float]:
-        """An evaluation: ``accuracy`` (as measured), ``acc_smooth`` (median of the last 3, as the
-        cliff detector smooths, so one bad evaluation is not a drop), ``acc_peak`` (running max of
+        """An evaluation: ``accuracy`` (as measured), ``acc_smooth`` (median of the last 3, from the third
+        evaluation on, as the cliff detector smooths, so one bad evaluation is not a drop), ``acc_peak`` (running max of
         ``acc_smooth``), ``acc_drop = acc_peak − acc_smooth``, ``acc_drop_rel = acc_drop / acc_peak``,
         and every column as ``eval.<name>`` (``eval.length/voter`` also as ``eval.length[voter]``)."""
         out = {f"eval.{k}": v for k, v in self.metrics(values).items() if not k.startswith("metric.")}
         out.update({f"eval.{k}": float(v) for k, v in values.items() if "/" not in k})
         acc = float(values.get("accuracy", np.nan))
         if np.isfinite(acc):
+            out["accuracy"] = acc
             self.acc_recent = [*self.acc_recent, acc][-ACC_SMOOTH:]
+            if len(self.acc_recent) < ACC_SMOOTH:  # a median of two is their mean: one bad evaluation would drop
+                return out
             smooth = float(np.median(self.acc_recent))
             self.acc_peak = max(self.acc_peak, smooth)
             drop = self.acc_peak - smooth
-            out.update(accuracy=acc, acc_smooth=smooth, acc_peak=self.acc_peak, acc_drop=drop,
+            out.update(acc_smooth=smooth, acc_peak=self.acc_peak, acc_drop=drop,
                        acc_drop_rel=drop / self.acc_peak if self.acc_peak > 0 else 0.0)
         return out
+
+
+def _largest(out: dict[str, float], values: Mapping[str, float]) -> None:
+    """``out.update(values)``, keeping the larger where both name a value: a role training several shared
+    parameter sets gets its largest share (of any set) under ``share[role]`` (and the other per-set values)."""
+    for name, v in values.items():
+        if name in out and not np.isnan(out[name]) and not v > out[name]:
+            continue
+        out[name] = v

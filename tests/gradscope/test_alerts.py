@@ -290,10 +290,46 @@ def test_without_token_counts_there_are_no_token_shares():
 def test_eval_values_smooth_like_the_cliff_detector():
     sv = StepValues(AGENTS, ROLES)
     accs = [0.5, 0.6, 0.3, 0.6, 0.4, 0.3, 0.2]
-    drops = [sv.evals({"accuracy": a})["acc_drop"] for a in accs]
-    # running median of the last 3: .5 .55 .5 .6 .4 .4 .3; running peak .5 .55 .55 .6 .6 .6 .6
-    assert drops == pytest.approx([0, 0, 0.05, 0, 0.2, 0.2, 0.3])
+    values = [sv.evals({"accuracy": a}) for a in accs]
+    assert [v["accuracy"] for v in values] == accs
+    assert "acc_drop" not in values[0] and "acc_drop" not in values[1]  # a median of two would be their mean
+    # from the third on, running median of the last 3: .5 .6 .4 .4 .3; running peak .5 .6 .6 .6 .6
+    assert [v["acc_drop"] for v in values[2:]] == pytest.approx([0, 0, 0.2, 0.2, 0.3])
     assert sv.evals({"accuracy": 0.2, "length/voter": 7.0})["eval.length[voter]"] == 7.0
+
+
+@pytest.mark.parametrize("outlier", [1, 3])
+def test_one_bad_evaluation_is_never_a_cliff(outlier):
+    """0.60, 0.35, 0.60, ...: the second evaluation's outlier made acc_drop 0.125 (the mean of two), so the default
+    cliff rule fired where the cliff detector (and the same outlier placed later) saw nothing."""
+    accs = [0.60, 0.60, 0.60, 0.61, 0.60, 0.62]
+    accs[outlier] = 0.35
+    sv, engine = StepValues(AGENTS, ROLES), AlertEngine([r for r in DEFAULT_RULES if r.statistic == "acc_drop"])
+    assert engine.rules
+    assert not [t for t, a in enumerate(accs) if engine.observe(t, sv.evals({"accuracy": a}))]
+
+
+@pytest.mark.parametrize("order", [("setA", "setB"), ("setB", "setA")])
+def test_a_role_training_two_shared_sets_gets_its_largest_share(order):
+    """share[voter] was whichever set's record came last in the step (0.43 or 0.98): `share[*] > 0.7` missed a
+    voter capture of set A whenever set B's record followed."""
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=(4, 16))
+    dominated = g.copy()
+    dominated[3] *= 0.05                     # set A: the aggregator's gradient is tiny
+    records = {"setA": dominated @ dominated.T, "setB": g @ g.T}
+    v = StepValues(AGENTS, ROLES).records(np.stack([records[p] for p in order]), np.ones((2, 4)), list(order))
+    shares = {p: StepValues(AGENTS, ROLES).records(records[p][None], np.ones((1, 4)), [p])["share[voter]"]
+              for p in records}
+    assert shares["setA"] > 0.9 and shares["setB"] < shares["setA"]
+    assert v["share[voter]"] == pytest.approx(shares["setA"])
+
+
+@pytest.mark.parametrize("loss, fires", [(float("nan"), False), (float("inf"), True)])
+def test_a_nan_scalar_is_not_logged_an_infinite_one_is_nonfinite(loss, fires):
+    """Monitor (the trainer, verl) counted a NaN scalar as non-finite, where watch drops it as not logged."""
+    v = StepValues(AGENTS, ROLES).records(np.eye(4)[None], np.ones((1, 4)), ["all"], [{"loss": loss}])
+    assert v["nonfinite"] == float(fires)
 
 
 # ---------------------------------------------------------------- actions
@@ -310,15 +346,15 @@ def test_monitor_actions_and_events(tmp_path):
         same[3, :3] = same[:3, 3] = 0
         for step in (1, 2, 3):
             mon.step(step, same[None], np.ones((1, 4)), ["voter"])
-        mon.evals(3, {"accuracy": 0.5})
-        mon.evals(4, {"accuracy": 0.2})
-        mon.evals(5, {"accuracy": 0.2})
-        assert mon.stop_requested is not None and mon.stop_requested.step == 4  # median(.5, .2) = .35
-    assert saved == [2] and stopped == [4]
+        for step, acc in ((3, 0.5), (4, 0.5), (5, 0.5), (6, 0.2), (7, 0.2)):
+            mon.evals(step, {"accuracy": acc})
+        # medians of the last 3 from the third evaluation: .5 .5 .5 .2 — a drop of .3 at step 7 (not at 6)
+        assert mon.stop_requested is not None and mon.stop_requested.step == 7
+    assert saved == [2] and stopped == [7]
     assert any("checkpoint saved to ckpt2" in line for line in lines)
     events = open_run(tmp_path / "r.h5").events
     assert events["kind"].tolist() == ["alert", "checkpoint", "alert"]
-    assert events["step"].tolist() == [2, 2, 4]
+    assert events["step"].tolist() == [2, 2, 7]
     assert "coherence[voter] = 1 > 0.9" in events["message"][0]
 
 
