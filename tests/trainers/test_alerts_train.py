@@ -41,7 +41,7 @@ def test_checkpoint_action_writes_loadable_adapters(tmp_path, alternating_reward
     from gradscope.trainers.testbed.cache import warm_started_model
 
     cfg = small(tmp_path, steps=2, default_alerts=False,
-                alert=["grad_norm[voter] > 0 cooldown 100: checkpoint", "acc_drop >= 0 cooldown 100: checkpoint"])
+                alert=["grad_norm[voter] > 0 cooldown 100: checkpoint", "accuracy >= 0 cooldown 100: checkpoint"])
     trainer = Trainer(cfg, echo=lambda line: None)
     at_step: dict[int, dict[str, torch.Tensor]] = {}
     trainer.run(on_step=lambda step, _: at_step.setdefault(step, {
