@@ -129,14 +129,12 @@ class GradscopeGRPOTrainer(GRPOTrainer):
         if not isinstance(roles, Mapping) or not all(isinstance(a, str) and isinstance(r, str)
                                                      for a, r in roles.items()):
             raise ProbeError(f"roles must map each agent's name to its role's name (str → str), got {roles!r}")
-        if not isinstance(probe_options, (Mapping, type(None))) or set(probe_options or {}) & {"model", "agents",
-                                                                                             "roles"}:
-            raise ProbeError("probe_options: Probe's keyword options (params, groups, method, sketch, ...), not its "
-                             "model, agents or roles")
-        unknown = set(probe_options or {}) - set(inspect.signature(Probe).parameters)
+        if not isinstance(probe_options, (Mapping, type(None))):
+            raise ProbeError(f"probe_options must be a mapping of Probe's keyword options, got {probe_options!r}")
+        options = set(inspect.signature(Probe).parameters) - {"model", "agents", "roles"}  # (the trainer gives those)
+        unknown = sorted(set(probe_options or {}) - options)
         if unknown:
-            raise ProbeError(f"probe_options: Probe has no option {sorted(unknown)[0]!r}; its options are "
-                             f"{sorted(set(inspect.signature(Probe).parameters) - {'model', 'agents', 'roles'})}")
+            raise ProbeError(f"probe_options: Probe has no option {unknown[0]!r}; its options are {sorted(options)}")
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:
             raise ProbeError("the MoE router auxiliary loss is not attributable to agents; set "

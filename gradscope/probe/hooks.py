@@ -407,8 +407,6 @@ class HooksMethod(GramMethod):
 
     def backward_rows(self, loss: torch.Tensor, row_agents: torch.Tensor | None,
                       terms: Callable[[], Terms] | None, retain_graph: bool) -> None:
-        if not loss.requires_grad:
-            return
         live = [f for f in self._forwards if not f.consumed and f.pieces and f is not self._tagged]
         self._refuse_after_failed_check()
         try:

@@ -251,10 +251,8 @@ class RunWriter:
         if t.shape != (K,):
             raise ValueError(f"tokens must have shape ({K},) for {K} agents, got {t.shape}")
         if t.dtype.kind != "i":
-            if not np.isfinite(t).all():
-                raise ValueError(f"tokens must be whole numbers, got {t}")
-            ti = t.astype(np.int64)
-            if not np.array_equal(ti, t):
+            ti = t.astype(np.int64) if np.isfinite(t).all() else None  # (casting NaN warns)
+            if ti is None or not np.array_equal(ti, t):
                 raise ValueError(f"tokens must be whole numbers, got {t}")
             t = ti
         if (t < 0).any():
