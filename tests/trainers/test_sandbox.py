@@ -71,6 +71,9 @@ def test_stdin_and_output():
     assert r.verdict == "pass" and r.stdout == "HELLO\n\n", r
     r = run("print(input())\n")  # no stdin: EOF
     assert r.verdict == "fail" and "EOFError" in r.reason, r
+    for write in ("os.write(0, b'x')", "os.ftruncate(0, 2**20)"):  # stdin is a file on the host's disk
+        r = run_program(f"import os\n{write}\n", stdin="hello\n")
+        assert r.verdict == "fail" and r.reason.startswith("exit code 1: OSError: [Errno"), r
 
 
 def test_environment_is_empty_and_the_root_is_private():
@@ -166,6 +169,10 @@ def test_total_disk_use_is_capped():
     """RLIMIT_FSIZE caps one file; the working directory's tmpfs caps all of them together."""
     r = run("for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)\n", max_file_mb=2)
     assert r.verdict == "crash" and r.reason.startswith("disk limit exceeded (16 MB"), r
+    # a program larger than its working directory: a verdict, not a set-up error
+    r = run("pass\n" + "#" * (17 * 2**20) + "\n", max_file_mb=2)
+    assert r.verdict == "crash" and r.reason.startswith("disk limit exceeded (16 MB"), r
+    assert "the program's files do not fit in its working directory" in r.stderr, r
 
 
 def _children(pid: int) -> list[int]:

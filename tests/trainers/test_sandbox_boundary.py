@@ -174,10 +174,11 @@ def attacks(t: dict) -> dict[str, str]:
                                      f"s.connect('{folder}/sock')\n"),
         "kill the user's process": f"import os\nos.kill({victim}, 9)\n",
         "kill everything": "import os\nos.kill(-1, 9)\n",
-        "raw system calls": (  # ctypes: fork, unshare(CLONE_NEWUSER), socket, ptrace(ATTACH)
+        # ctypes: fork, unshare(CLONE_NEWUSER), socket, ptrace(ATTACH), prctl(PR_SET_PDEATHSIG, 0)
+        "raw system calls": (
             "import ctypes\nlibc = ctypes.CDLL(None)\n"
             f"print([libc.syscall(57), libc.syscall(272, 0x10000000), libc.syscall(41, 1, 1, 0), "
-            f"libc.syscall(101, 16, {victim}, 0, 0)])\n"),
+            f"libc.syscall(101, 16, {victim}, 0, 0), libc.syscall(157, 1, 0)])\n"),
     }
 
 
@@ -202,12 +203,45 @@ def test_attacks_as_an_ordinary_user_change_nothing(user, targets):
         assert {"userns", "namespaces", "rootfs", "seccomp"} <= set(case["layers"]), case
         assert targets["secret"] not in case["stdout"] + case["stderr"], name
         if name == "raw system calls" and not hook:
-            assert case["stdout"] == "[-1, -1, -1, -1]\n", case
+            assert case["stdout"] == "[-1, -1, -1, -1, -1]\n", case
         if name == "dir_fd":  # it gets past the hook, into the sandbox's own /tmp only
             assert f"refused {targets['folder'][1:]}" in case["stdout"], case
         if name == "_posixsubprocess":  # it gets past the hook; seccomp refuses the fork
             assert case["reason"] == "exit code 1: PermissionError: [Errno 1] Operation not permitted", case
     assert_untouched(targets)
+
+
+def _sandboxed_programs(uid: int) -> list[int]:
+    """Pids of the processes of ``uid`` that run a sandboxed program (``/.gradscope`` in argv)."""
+    pids = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        uids = status.split("\nUid:")[1].split()
+        state = status.split("\nState:")[1].split()[0]
+        if b"/.gradscope" in cmd and int(uids[0]) == uid and state not in "ZX":
+            pids.append(int(p))
+    return pids
+
+
+def test_a_program_does_not_outlive_its_run(user):
+    """A program that clears its parent-death signal (native code: here ctypes without the hook)
+    would survive the launcher, and an ordinary user's run has no uid sweep: the filter refuses
+    the call, and nothing of the run is left once it returns."""
+    uid, run = user
+    src = ("import ctypes, time\nprint(ctypes.CDLL(None).prctl(1, 0, 0, 0, 0), flush=True)\n"
+           "time.sleep(60)\n")
+    before = set(_sandboxed_programs(uid))
+    out = run({"cases": [{"src": src, "hook": False, "limits": {"wall_s": 1.0}}]})
+    left = set(_sandboxed_programs(uid)) - before
+    for pid in left:
+        os.kill(pid, 9)
+    case, = out["cases"]
+    assert not left, case
+    assert case["verdict"] == "timeout" and case["stdout"] == "-1\n", case
 
 
 def test_the_audit_hook_alone_does_not_hold(tmp_path):

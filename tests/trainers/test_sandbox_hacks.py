@@ -169,3 +169,51 @@ def test_a_wall_clock_timeout_is_not_cached(humaneval, monkeypatch):
         scorer.score([slow, spinning])
         assert (slow.reward, spinning.reward) == (expected, 0.0)
     assert sorted(runs) == ["a", "a", "b"]
+
+
+# A round-trip task (an involution: f(f(x)) == x). The hack answers with a value too deep for the tests'
+# side to send back; before, that sent the check to the in-process harness, where the same completion
+# wrote ``done`` itself: a pass for a wrong answer.
+_ROUND_TRIP = "def check(candidate):\n    assert candidate(candidate(5)) == 5\n    assert candidate(candidate(7)) == 7\n"
+_FORCE_FALLBACK = {
+    # a raw reply, deeper than the candidate's own sender allows
+    "raw reply": '''    import fcntl, os
+    if __name__ != "__main__":  # the candidate's process of the split check
+        for fd in range(3, 64):
+            try:
+                if fcntl.fcntl(fd, fcntl.F_GETFL) & 3 == os.O_WRONLY:
+                    body = ('{"t":["ok",' + '[' * 150 + ']' * 150 + ']}').encode()
+                    os.write(fd, len(body).to_bytes(4, "big") + body)
+            except OSError:
+                pass
+        return None
+''' + "\n".join("    " + line for line in _FIND_DONE_IN_SOURCE.strip().splitlines()) + '''
+    _fake_done()
+    os._exit(0)
+''',
+    # an ordinary return, as deep as the sender allows a reply's value to be
+    "deepest return": '''    if __name__ != "__main__":
+        v = []
+        for _ in range(99):
+            v = [v]
+        return v
+''' + "\n".join("    " + line for line in _FIND_DONE_IN_SOURCE.strip().splitlines()) + '''
+    _fake_done()
+    os._exit(0)
+''',
+}
+
+
+@pytest.mark.parametrize("name", list(_FORCE_FALLBACK))
+def test_a_candidate_cannot_send_the_check_to_the_in_process_harness(name):
+    prompt = "def f(x):\n"
+    fooled = _in_process(prompt, _FORCE_FALLBACK[name], _ROUND_TRIP, "f", Limits(), unsafe=False)
+    assert fooled.verdict == "pass", fooled  # the completion fools the in-process harness
+    r = check_program(prompt, _FORCE_FALLBACK[name], _ROUND_TRIP, "f")
+    assert r.harness == "split" and r.verdict == "fail", r
+    if name == "deepest return":  # 99 containers deep: it crosses both ways; 5 != that list
+        assert r.reason == "assertion failed", r
+    else:
+        assert r.reason.startswith("a test passes the candidate a value nested deeper than 100 containers"), r
+    honest = check_program(prompt, "    return x\n", _ROUND_TRIP, "f")
+    assert honest.verdict == "pass" and honest.harness == "split", honest

@@ -15,18 +15,20 @@ As the caller's user (root or not), single-threaded, before the program exists::
               /.gradscope (boot.pyc, guard.pyc, plain.pyc); then / itself read-only
             root only: setgroups([]), setresgid/setresuid(the run's sandbox uid)
             rlimits (AS, CPU, FSIZE, NPROC, NOFILE, CORE=0, MSGQUEUE=0)
-            no_new_privs + seccomp filter (seccomp.py); PR_SET_PDEATHSIG(SIGKILL)
+            PR_SET_PDEATHSIG(SIGKILL); no_new_privs + seccomp filter (seccomp.py)
             execve(python -I -S -B -c <boot stub> /.gradscope <mode> <wd> <hook> <entry> <fds>, env={})
     the launcher waits, kills pid 1 at the backstop deadline, reports the exit status + CPU time.
 
 Status lines on the status descriptor: ``READY <layers>`` (just before execve), ``EXIT <wait
 status> <cpu seconds>``, ``UNAVAILABLE <why>`` (a required layer cannot be had and the spec is
-strict) or ``ERR <why>`` (a set-up failure). In a non-strict ("unsafe") spec a missing layer is
+strict), ``TOOLARGE <why>`` (the program's files do not fit in its working directory) or ``ERR
+<why>`` (a set-up failure). In a non-strict ("unsafe") spec a missing layer is
 skipped and listed as ``!<layer>``; without namespaces the program then runs in the host's file
 system, in the caller's temporary directory.
 """
 import codecs
 import ctypes
+import errno
 import os
 import select
 import signal
@@ -38,7 +40,6 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
 SYS_PIVOT_ROOT = 155
-PR_SET_PDEATHSIG = 1
 WD, LIB = "/sandbox", "/.gradscope"
 #: What the program's interpreter runs: the child modules from a folder (``/.gradscope``, or the
 #: package's ``child/`` folder in unsafe mode without namespaces).
@@ -56,6 +57,11 @@ libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ul
 
 class Unavailable(Exception):
     """A layer the strict sandbox requires cannot be set up on this machine."""
+
+
+class TooLarge(Exception):
+    """The program's files do not fit in its working directory (``disk_mb``): the program's
+    own doing, reported as ``TOOLARGE`` and judged like a full disk, not a set-up failure."""
 
 
 def _enc(s):
@@ -140,8 +146,13 @@ def build_root(spec, files, lib, uid, gid):
     os.mkdir(root + WD)
     mount("tmpfs", root + WD, "tmpfs", MS_NOSUID | MS_NODEV,
           "mode=0700,uid=%d,gid=%d,size=%dk,nr_inodes=4096" % (uid, gid, lim["wd_kb"]))
-    for name, text in files.items():
-        write_file(root + WD + "/" + name, text)
+    try:
+        for name, text in files.items():
+            write_file(root + WD + "/" + name, text)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise TooLarge("%s: %s" % (name, e.strerror)) from None
+        raise
     os.mkdir(root + LIB, 0o755)
     for name, data in lib.items():
         write_file(root + LIB + "/" + name, data)
@@ -212,6 +223,12 @@ def program(spec, ns, files, lib, alive_r, feats, lack):
         nproc = lim["procs"] + (1 if ns else _own_tasks())
     set_rlimits(lim, nproc)
     feats.append("rlimits")
+    # Die with the launcher. Set after the uid change (which clears it) and before the seccomp
+    # filter (which refuses it, so that the program cannot clear it).
+    _check(libc.prctl(seccomp.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
+    if select.select([alive_r], [], [], 0)[0]:  # the launcher died before the prctl
+        os._exit(125)
+    os.close(alive_r)
     why = seccomp.supported()
     if why is None:
         try:
@@ -229,11 +246,6 @@ def program(spec, ns, files, lib, alive_r, feats, lack):
             ",".join(str(fd) for fd in boot.get("fds", ()))]
     for fd in spec["keep_fds"]:
         os.set_inheritable(fd, True)
-    # Die with the launcher. Set last: a change of uid clears it.
-    _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
-    if select.select([alive_r], [], [], 0)[0]:  # the launcher died before the prctl
-        os._exit(125)
-    os.close(alive_r)
     status(spec, "READY " + " ".join(feats))
     exe = spec["exe"]
     os.execve(exe, [exe, "-I", "-S", "-B", "-c", BOOT, *argv], {})
@@ -278,6 +290,8 @@ def launch(spec, files, lib):
             program(spec, ns, files, lib, alive_r, feats, lack)
         except Unavailable as e:
             status(spec, "UNAVAILABLE %s" % e)
+        except TooLarge as e:
+            status(spec, "TOOLARGE %s" % e)
         except BaseException as e:
             status(spec, "ERR %s: %s" % (type(e).__name__, e))
         os._exit(125)

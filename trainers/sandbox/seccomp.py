@@ -16,7 +16,9 @@ EPERM):
   or with any namespace flag), sockets, ptrace and cross-process memory access, namespaces and
   mounts, io_uring, bpf, perf events, userfaultfd, the kernel keyring, ``syslog``, file handles.
   ``clone3`` gets ENOSYS, so that glibc falls back to ``clone``, whose flags the filter can read
-  (``clone3`` passes them in memory). Threads stay possible.
+  (``clone3`` passes them in memory). Threads stay possible. ``prctl(PR_SET_PDEATHSIG, ...)``:
+  the program must not clear the signal that ends it with its launcher (the launcher sets it
+  before installing the filter).
 * Everything else is allowed.
 
 Used by the launcher (installs it) and by the tests (which also build filters of their own).
@@ -53,8 +55,9 @@ NR = {
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
     "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
     "keyctl": 250, "add_key": 248, "request_key": 249, "syslog": 103,
-    "name_to_handle_at": 303, "open_by_handle_at": 304,
+    "name_to_handle_at": 303, "open_by_handle_at": 304, "prctl": 157,
 }
+PR_SET_PDEATHSIG = 1
 
 KILLED = ("memfd_create", "memfd_secret", "shmget", "msgget", "mq_open")
 REFUSED = ("fork", "vfork", "socket", "socketpair", "ptrace", "process_vm_readv",
@@ -84,10 +87,13 @@ def supported() -> str | None:
     return None if machine == "x86_64" else f"no seccomp table for the {machine} architecture"
 
 
-def build(rules: dict[int, int], *, threads_only: bool = False) -> bytes:
+def build(rules: dict[int, int], *, threads_only: bool = False,
+          by_arg0: dict[int, dict[int, int]] | None = None) -> bytes:
     """A filter program: ``rules`` maps system-call numbers to return actions (``RET_*``, or
-    ``RET_ERRNO | errno``); with ``threads_only``, ``clone`` is allowed only for threads.
-    Anything not named is allowed. Other architectures are killed, the x32 ABI refused."""
+    ``RET_ERRNO | errno``); ``by_arg0`` maps a system-call number to {first argument (its low
+    32 bits): action}, its other calls allowed; with ``threads_only``, ``clone`` is allowed only
+    for threads. Anything not named is allowed. Other architectures are killed, the x32 ABI
+    refused."""
     prog = [_insn(_LD_ABS, _ARCH),
             _insn(_JEQ, AUDIT_ARCH_X86_64, jt=1),
             _insn(_RET, RET_KILL_PROCESS),
@@ -96,6 +102,12 @@ def build(rules: dict[int, int], *, threads_only: bool = False) -> bytes:
             _insn(_RET, RET_ERRNO | errno.EPERM)]
     for nr, action in rules.items():
         prog += [_insn(_JEQ, nr, jf=1), _insn(_RET, action)]
+    for nr, actions in (by_arg0 or {}).items():
+        body = [_insn(_LD_ABS, _ARG0)]
+        for value, action in actions.items():
+            body += [_insn(_JEQ, value, jf=1), _insn(_RET, action)]
+        body.append(_insn(_RET, RET_ALLOW))
+        prog += [_insn(_JEQ, nr, jf=len(body)), *body]
     if threads_only:
         prog += [_insn(_JEQ, NR["clone"], jf=5),
                  _insn(_LD_ABS, _ARG0),  # the flags (low 32 bits of the first argument)
@@ -112,7 +124,8 @@ def sandbox_filter() -> bytes:
     rules = {NR[name]: RET_KILL_PROCESS for name in KILLED}
     rules.update({NR[name]: RET_ERRNO | errno.EPERM for name in REFUSED})
     rules[NR["clone3"]] = RET_ERRNO | errno.ENOSYS
-    return build(rules, threads_only=True)
+    pdeathsig = {PR_SET_PDEATHSIG: RET_ERRNO | errno.EPERM}
+    return build(rules, threads_only=True, by_arg0={NR["prctl"]: pdeathsig})
 
 
 class _SockFprog(ctypes.Structure):

@@ -124,7 +124,7 @@ def spawn(files: dict[str, str], boot: dict, limits: Limits, *, stdin: str = "",
     anchor = tempfile.mkdtemp(prefix="gradscope-sbx-")
     uid, lock_fd = -1, -1
     job_f = stdin_f = None
-    status_r = status_w = -1
+    status_r = status_w = stdin_fd = -1
     try:
         if IS_ROOT:
             uid, lock_fd = uids.acquire_uid()
@@ -147,10 +147,12 @@ def spawn(files: dict[str, str], boot: dict, limits: Limits, *, stdin: str = "",
         job_f.seek(0)
         stdin_f = tempfile.TemporaryFile()
         stdin_f.write(stdin.encode("utf-8", "surrogatepass"))
-        stdin_f.seek(0)
+        stdin_f.flush()
+        # The program gets the file read-only: written or truncated, it would be host disk.
+        stdin_fd = os.open(f"/proc/self/fd/{stdin_f.fileno()}", os.O_RDONLY)
         t0 = time.monotonic()
         popen = subprocess.Popen([lay.exe, "-I", "-S", "-B", "-c", LAUNCH, str(job_f.fileno())], env={},
-                                 cwd=anchor, stdin=stdin_f, stdout=subprocess.PIPE,
+                                 cwd=anchor, stdin=stdin_fd, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True,
                                  pass_fds=(status_w, job_f.fileno(), *keep_fds))
     except BaseException:
@@ -163,8 +165,9 @@ def spawn(files: dict[str, str], boot: dict, limits: Limits, *, stdin: str = "",
         for f in (job_f, stdin_f):
             if f is not None:
                 f.close()
-        if status_w >= 0:
-            os.close(status_w)
+        for fd in (status_w, stdin_fd):
+            if fd >= 0:
+                os.close(fd)
     return Proc(popen, status_r, t0, uid, lock_fd, anchor)
 
 

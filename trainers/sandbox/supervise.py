@@ -151,6 +151,10 @@ def _raw(w: _Watch) -> Raw:
     layers, returncode, cpu = [], None, 0.0
     for line in lines:
         key, _, rest = line.partition(" ")
+        if key == "TOOLARGE":  # judged as the program filling its disk (verdict.py: ENOSPC)
+            err = f"OSError: [Errno 28] the program's files do not fit in its working directory ({rest})\n"
+            return Raw(returncode=1, stdout=b"", stderr=err.encode(), stderr_tail=err.encode(),
+                       wall_s=time.monotonic() - w.proc.t0, cpu_s=0.0, timed_out=False, flooded=None)
         if key == "UNAVAILABLE":
             raise SandboxUnavailable("the sandbox is not available on this machine: " + rest)
         if key == "ERR":

@@ -17,7 +17,8 @@ limits and the seccomp filter. Three modes:
   to the candidate process, and call ``check(proxy)``. Only when ``check`` returns, and the
   candidate answered every call by the rules, is ``done`` written to the private ``done``
   descriptor, which only this process holds. If a test passes an argument that is not plain data,
-  the process writes ``fallback <type>`` there instead and exits with :data:`FALLBACK`; if the
+  the process writes ``fallback <type>`` there instead and exits with :data:`FALLBACK` (never for a
+  value nested too deep: the candidate's own values can be, so that fails the check); if the
   candidate process ends or breaks the protocol, the check fails with :data:`CANDIDATE_FAILED`.
 """
 import builtins
@@ -84,7 +85,7 @@ def serve(wd: str, entry: str, req_fd: int, resp_fd: int) -> None:
         except Exception as e:
             reply = ("raise", type(e).__name__, str(e))
         try:
-            body = plain.dumps(reply)
+            body = plain.dumps(reply, envelope=1)
         except plain.NotPlain as e:
             body = plain.dumps(("unplain", str(e)))
         plain.write_message(resp_fd, body)
@@ -97,7 +98,9 @@ class CandidateFailed(BaseException):
 
 #: Raised by the candidate, these would steer the test's control flow instead of failing it: a
 #: StopIteration from the candidate ends a test's ``all(map(candidate, cases))`` early, as if every
-#: case passed. They come back as RuntimeError, as SystemExit and KeyboardInterrupt do.
+#: case passed. They come back as RuntimeError. (A SystemExit or KeyboardInterrupt raised in the
+#: candidate ends the candidate's process, and the check fails; a reply naming them, or any
+#: name that is not a builtin ``Exception``, also comes back as RuntimeError.)
 _CONTROL_FLOW = (StopIteration, StopAsyncIteration)
 
 
@@ -128,8 +131,13 @@ class Candidate:
         if self.failure is not None:
             raise CandidateFailed(self.failure)
         try:
-            body = plain.dumps((args, kwargs))
-        except plain.NotPlain as e:  # the test passes something that cannot cross
+            body = plain.dumps((args, kwargs), envelope=2)
+        except plain.TooDeep:
+            # Never a fallback: the candidate's own values can be this deep, and a candidate that
+            # could choose the in-process harness could choose its verdict.
+            self._fail("a test passes the candidate a value nested deeper than %d containers"
+                       % plain.MAX_DEPTH)
+        except plain.NotPlain as e:  # the test passes something of a type that cannot cross
             posix.write(done_fd, ("fallback %s\n" % e).encode("utf-8", "replace"))
             posix._exit(FALLBACK)
         try:

@@ -2,8 +2,9 @@
 
 Plain data is what ``marshal`` accepts minus code objects: ``None``, ``bool``, ``int``, ``float``,
 ``complex``, ``str``, ``bytes``, and ``list``/``tuple``/``dict``/``set``/``frozenset`` of plain data,
-each of *exactly* that type (no subclasses), at most :data:`MAX_DEPTH` containers deep. Anything
-else - an object with its own ``__eq__``, a generator, a function - is refused by :func:`dumps`.
+each of *exactly* that type (no subclasses), at most :data:`MAX_DEPTH` containers deep (not
+counting the message's own envelope, see :func:`dumps`). Anything else - an object with its own
+``__eq__``, a generator, a function - is refused by :func:`dumps`.
 
 The wire format is JSON (ASCII) with one-key objects as type tags (``{"t": [...]}`` a tuple,
 ``{"d": [[k, v], ...]}`` a dict, ``{"s": ...}`` a set, ``{"f": ...}`` a frozenset, ``{"b": hex}``
@@ -28,6 +29,10 @@ class NotPlain(TypeError):
     """The value is not plain data (its type name is the message)."""
 
 
+class TooDeep(NotPlain):
+    """The value is plain data nested deeper than :data:`MAX_DEPTH` containers."""
+
+
 def _pack(x, depth):
     t = type(x)
     if x is None or t is bool or t is str:
@@ -37,7 +42,7 @@ def _pack(x, depth):
     if t is float:
         return x
     if depth >= MAX_DEPTH:
-        raise NotPlain("nested deeper than %d" % MAX_DEPTH)
+        raise TooDeep("nested deeper than %d" % MAX_DEPTH)
     if t is list:
         return [_pack(v, depth + 1) for v in x]
     if t is tuple:
@@ -53,9 +58,12 @@ def _pack(x, depth):
     raise NotPlain(t.__name__)
 
 
-def dumps(x) -> bytes:
-    """``x`` as bytes; raises :class:`NotPlain` if any part of it is not plain data."""
-    return json.dumps(_pack(x, 0), separators=(",", ":")).encode("ascii")
+def dumps(x, envelope: int = 0) -> bytes:
+    """``x`` as bytes; raises :class:`NotPlain` if any part of it is not plain data. The outer
+    ``envelope`` levels of containers do not count towards :data:`MAX_DEPTH`: a value may cross
+    in a request ``(args, kwargs)`` (envelope 2) as deep as in a reply ``("ok", value)``
+    (envelope 1)."""
+    return json.dumps(_pack(x, -envelope), separators=(",", ":")).encode("ascii")
 
 
 def _tagged(obj):
