@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradscope.alerts import Alert, Monitor
+from gradscope.alerts import Alert, Monitor, check_selectors
 from gradscope.alerts.cli import collect_rules
 from gradscope.errors import ConfigError, GradscopeError
 from gradscope.probe import Probe
@@ -171,6 +171,7 @@ class VerlProbe:
     """
 
     def __init__(self, engine: Any, settings: VerlSettings, echo: Callable[[str], object] | None = None) -> None:
+        settings = VerlSettings.from_mapping(dataclasses.asdict(settings))  # coerced and checked, as from the config
         self.engine, self.settings, self.echo = engine, settings, echo
         if getattr(engine, "scaler", None) is not None:
             raise ConfigError("gradscope: fp16 loss scaling is not supported by the verl hook; use bf16 or fp32")
@@ -229,6 +230,8 @@ class VerlProbe:
                                   f"(actor_rollout_ref.model.{key}=False): {why}")
         if self.probe is None:
             self._build(data)
+        else:  # every rank stops alike (one rank alone raising would leave the others in FSDP's collectives)
+            self._agree(self._unknown_agents(data))
         with self.probe.step(self.step, policy=self.settings.policy) as s:
             self._open_step = s
             try:
@@ -317,18 +320,50 @@ class VerlProbe:
 
     # ------------------------------------------------------------------ agents, probe, run file
     def _row_agents(self, data: Any) -> tuple[list[str], list[str] | None]:
+        """Each row's agent and role (or None): a non-tensor field of the batch, or a key of its
+        ``extra_fields`` column of dicts (verl's v1 trainer keeps agent-loop extra fields there)."""
         s = self.settings
-        if s.agent_field not in data.keys():
+        agents = _field(data, s.agent_field)
+        if agents is None:
             raise ConfigError(f"gradscope: the actor batch has no non-tensor field {s.agent_field!r} naming each "
                               f"row's agent (gradscope.agent_field); fields: {sorted(data.keys())}")
-        agents = [str(a) for a in _as_list(data[s.agent_field])]
-        roles = [str(r) for r in _as_list(data[s.role_field])] if s.role_field in data.keys() else None
-        return agents, roles
+        unnamed = sum(1 for a in agents if not _is_name(a) or str(a) in ("", "nan"))
+        if unnamed:
+            raise ConfigError(f"gradscope: {unnamed} of {len(agents)} rows have no agent in {s.agent_field!r} "
+                              f"(None, empty or NaN); every row the actor trains on needs one")
+        roles = _field(data, s.role_field)
+        return [str(a) for a in agents], None if roles is None else [str(r) for r in roles]
+
+    def _unknown_agents(self, data: Any) -> str | None:
+        """This rank's reason to stop before a step: rows without an agent, or of an agent the Gram lacks."""
+        try:
+            agents, _ = self._row_agents(data)
+        except ConfigError as exc:
+            return str(exc)
+        unknown = sorted(set(agents) - set(self.probe.agents))
+        if unknown:
+            return (f"gradscope: rows of agents {unknown} first seen after the first update; the Gram's agents are "
+                    f"{self.probe.agents} (list every agent in gradscope.agents)")
+        return None
+
+    def _agree(self, error: str | None) -> None:
+        """Raise this rank's ``error``, or any other rank's, as a :class:`ConfigError` on every rank."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise ConfigError(error)
 
     def _build(self, data: Any) -> None:
         """The probe (every rank alike), and on rank 0 the run file and the alert monitor."""
         s = self.settings
-        agents, roles = self._row_agents(data)
+        error = None
+        try:
+            agents, roles = self._row_agents(data)
+        except ConfigError as exc:
+            error = str(exc)
+        self._agree(error)
         role_of = dict(s.roles)
         pairs = [list(zip(agents, roles or [role_of.get(a, a) for a in agents]))]
         if self.group is not None:
@@ -348,18 +383,26 @@ class VerlProbe:
                            groups=s.groups or None, sketch=s.sketch or None,
                            method="hooks", grad_reduced=self.group is not None,
                            process_group=self.group if self.group is not None else False)
-        if not self.is_main:
-            return
-        meta = RunMeta(agents=order, agent_roles=[roles_of[a] for a in order], policies=[s.policy],
-                       groups=self.probe.groups if s.groups else [],
-                       group_sizes=self.probe.group_sizes if s.groups else [],
-                       config={"verl": _versions(), "gradscope": dataclasses.asdict(s), "data_parallel": self.dp},
-                       probe_method=self.probe.measurement, scalar_names=SCALARS)
-        self.writer = RunWriter(s.run, meta, flush_every=s.flush_every, overwrite=s.overwrite)
+        agent_roles = [roles_of[a] for a in order]
         rules = collect_rules(s.alert, s.alerts or None, s.default_alerts)
-        self.monitor = Monitor(rules, order, meta.agent_roles, policies=[s.policy], writer=self.writer,
-                               checkpoint=self._request_checkpoint, stop=self._request_stop,
-                               **({"echo": self.echo} if self.echo else {}))
+        error = None
+        try:
+            # On every rank, before the run file exists: a rule naming a role or agent the run lacks.
+            check_selectors(rules, order, agent_roles, [s.policy])
+            if self.is_main:
+                meta = RunMeta(agents=order, agent_roles=agent_roles, policies=[s.policy],
+                               groups=self.probe.groups if s.groups else [],
+                               group_sizes=self.probe.group_sizes if s.groups else [],
+                               config={"verl": _versions(), "gradscope": dataclasses.asdict(s),
+                                       "data_parallel": self.dp},
+                               probe_method=self.probe.measurement, scalar_names=SCALARS)
+                self.writer = RunWriter(s.run, meta, flush_every=s.flush_every, overwrite=s.overwrite)
+                self.monitor = Monitor(rules, order, agent_roles, policies=[s.policy], writer=self.writer,
+                                       checkpoint=self._request_checkpoint, stop=self._request_stop,
+                                       **({"echo": self.echo} if self.echo else {}))
+        except GradscopeError as exc:
+            error = " ".join(str(exc).split())
+        self._agree(error)
 
     def _request_checkpoint(self, alert: Alert) -> None:
         self._pending["checkpoint"] = self._pending["checkpoint"] or alert  # saved at the end of the step
@@ -434,6 +477,18 @@ def _as_list(values: Any) -> list:
     return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
+def _field(data: Any, name: str) -> list | None:
+    """The non-tensor field ``name`` of a batch as a list, else that key of each row's ``extra_fields``
+    dict (None if neither has it)."""
+    if name in data.keys():
+        return _as_list(data[name])
+    if "extra_fields" in data.keys():
+        extras = _as_list(data["extra_fields"])
+        if extras and all(isinstance(e, Mapping) and name in e for e in extras):
+            return [e[name] for e in extras]
+    return None
+
+
 def _probed_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """The trainable weights of the model's ``nn.Linear`` / ``nn.Embedding`` layers (with LoRA: the adapters)."""
     out = []
@@ -467,7 +522,10 @@ def settings_from_env() -> VerlSettings | None:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{SETTINGS_ENV} is not JSON: {exc}") from None
-    return VerlSettings.from_mapping(values)
+    settings = VerlSettings.from_mapping(values)
+    if settings.enabled and not Path(settings.run).is_absolute():  # each Ray worker has its own directory
+        raise ConfigError(f"{SETTINGS_ENV}: gradscope.run must be an absolute path, got {settings.run!r}")
+    return settings
 
 
 def attach(worker: Any, settings: VerlSettings) -> VerlProbe:
@@ -547,6 +605,8 @@ def prepare(argv: Sequence[str]) -> tuple[VerlSettings, list[str]]:
     values, rest = split_overrides(argv)
     settings = VerlSettings.from_mapping(values)
     settings.run = str(Path(settings.run).resolve()) if settings.run else ""
+    if settings.enabled and Path(settings.run).is_dir():
+        raise ConfigError(f"gradscope.run: {settings.run} is a folder; give the run file (.h5) to write")
     if settings.enabled and Path(settings.run).exists() and not settings.overwrite:
         raise ConfigError(f"gradscope.run: {settings.run} already exists (gradscope.overwrite=true replaces it)")
     if settings.enabled and not Path(settings.run).parent.is_dir():  # else only rank 0's worker would find out

@@ -443,6 +443,9 @@ def test_launcher_refuses_what_only_a_worker_would_find(tmp_path):
         prepare([f"gradscope.run={tmp_path}/run.h5", "gradscope.agents=voter0,voter1"])
     assert str(err.value) == ("'gradscope.agents=voter0,voter1' is a hydra sweep (a comma outside brackets); "
                               "give a list: gradscope.agents=[voter0,voter1]")
+    with pytest.raises(ConfigError) as err:  # a folder: with overwrite=true, rank 0 alone found out
+        prepare([f"gradscope.run={tmp_path}", "gradscope.overwrite=true"])
+    assert str(err.value) == f"gradscope.run: {tmp_path} is a folder; give the run file (.h5) to write"
 
 
 if __name__ == "__main__":

@@ -82,3 +82,92 @@ def test_the_launcher_without_verl_names_the_extra(tmp_path):
                           cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (2, "gradscope: error: the verl launcher needs verl and hydra: "
                                                  "pip install 'gradscope[verl]'\n")
+
+
+def test_rows_without_an_agent_are_refused(tmp_path):
+    """verl's agent loop fills a missing extra field with None: such rows were counted as an agent 'None'."""
+    batch = {"agent_name": ["voter0", None, "voter1", "aggregator", float("nan"), "voter1"]}
+    with pytest.raises(ConfigError) as err:
+        build(tmp_path, batch)
+    assert str(err.value) == ("gradscope: 2 of 6 rows have no agent in 'agent_name' (None, empty or NaN); "
+                              "every row the actor trains on needs one")
+    assert not (tmp_path / "run.h5").exists()
+
+
+def test_agents_are_read_from_the_extra_fields_column(tmp_path, monkeypatch):
+    """verl's v1 trainer keeps an agent loop's extra fields as one column of dicts."""
+    monkeypatch.setattr(verl_hook, "_versions", lambda: {"verl": "stand-in"})
+    extras = [{"agent_name": a, "role": r, "turn_scores": []}
+              for a, r in (("voter0", "voter"), ("aggregator", "aggregator"), ("voter1", "voter"))]
+    hook = build(tmp_path, {"extra_fields": extras, "uid": ["t0", "t0", "t0"]})
+    assert hook.probe.agents == ["voter0", "aggregator", "voter1"]
+    assert hook.probe.agent_roles == ["voter", "aggregator", "voter"]
+    hook.writer.close()
+    with pytest.raises(ConfigError, match="has no non-tensor field 'agent_name'"):
+        build(tmp_path, {"extra_fields": [{"turn_scores": []}]}, overwrite=True)
+
+
+def test_a_rule_naming_a_missing_role_leaves_no_run_file(tmp_path, monkeypatch):
+    """Checked on every rank before the run file exists (was: on rank 0 only, after creating the file,
+    while the other ranks went on into the step's collectives)."""
+    monkeypatch.setattr(verl_hook, "_versions", lambda: {"verl": "stand-in"})
+    with pytest.raises(ConfigError, match="unknown role 'nobody'"):
+        build(tmp_path, {"agent_name": ["voter0"]}, alert=["coherence[nobody] > 0.5: warn"])
+    assert not (tmp_path / "run.h5").exists()
+
+
+def test_an_agent_first_seen_later_stops_before_the_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(verl_hook, "_versions", lambda: {"verl": "stand-in"})
+    hook = build(tmp_path, {"agent_name": ["voter0", "voter1"]})
+    assert hook._unknown_agents({"agent_name": ["voter1", "voter0"]}) is None
+    with pytest.raises(ConfigError) as err:
+        hook._agree(hook._unknown_agents({"agent_name": ["voter0", "aggregator"]}))
+    assert str(err.value) == ("gradscope: rows of agents ['aggregator'] first seen after the first update; the "
+                              "Gram's agents are ['voter0', 'voter1'] (list every agent in gradscope.agents)")
+    hook.writer.close()
+
+
+def test_settings_built_in_python_are_checked_as_the_config_is(tmp_path):
+    with pytest.raises(ConfigError, match="'voter0,voter1' is one name with a comma"):
+        VerlProbe(Engine(), VerlSettings(run=str(tmp_path / "run.h5"), agents="voter0,voter1"))
+
+
+def test_settings_handed_to_workers_need_an_absolute_run_path(monkeypatch):
+    monkeypatch.setenv(verl_hook.SETTINGS_ENV, '{"run": "runs/run.h5"}')
+    with pytest.raises(ConfigError) as err:
+        verl_hook.settings_from_env()
+    assert str(err.value) == "GRADSCOPE_VERL: gradscope.run must be an absolute path, got 'runs/run.h5'"
+
+
+def _rank(rank: int, init: str, run: str, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        agents = ["voter0", "voter1"] if rank == 0 else ["voter0", None]
+        VerlProbe(Engine(), VerlSettings(run=run))._build({"agent_name": agents})
+        queue.put((rank, "built"))
+    except ConfigError as exc:
+        queue.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_error_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 1's rows lack an agent; rank 0's are fine: both raise the same one-line error (was: rank 1
+    raised while rank 0 waited in the collective until its timeout)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path}/store"
+    procs = [ctx.Process(target=_rank, args=(r, init, str(tmp_path / "run.h5"), queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    outcome = dict(queue.get(timeout=5) for _ in procs)
+    message = ("gradscope: 1 of 2 rows have no agent in 'agent_name' (None, empty or NaN); every row the actor "
+               "trains on needs one")
+    assert outcome == {0: message, 1: message}
+    assert not (tmp_path / "run.h5").exists()
