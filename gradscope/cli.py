@@ -112,7 +112,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
           f"{len(outcome.failed)} failed")
     for name, log in outcome.failed.items():
         print(f"  failed: {name} (log: {log})")
-    if outcome.done:
+    if len(outcome.done) > len(outcome.skipped):  # a cell finished now: else an earlier report stays as it was
         for path in write_report(folder):
             print(path)
     return 1 if outcome.failed else 0

@@ -106,7 +106,8 @@ class GRPOUpdater:
         self.slots = {a: sum(policy[r] == a for r in probe.agent_roles) for a in policy.adapters}
 
     def lr_at(self, step: int) -> float:
-        return self.cfg.lr * min(1.0, (step + 1) / max(1, self.cfg.warmup_steps))
+        """The learning rate of training step ``step`` (from 1): linear warm-up to ``lr`` at ``warmup_steps``."""
+        return self.cfg.lr * min(1.0, step / max(1, self.cfg.warmup_steps))
 
     def update(self, step: int, episodes: Sequence[Episode], mini_batch_size: int,
                probe_this_step: bool) -> tuple[list[OptimizerStep], dict[str, float]]:

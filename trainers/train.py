@@ -81,7 +81,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
         raise ConfigError(f"--log-to {cfg.log_to!r} names no dashboard; use one or more of tensorboard,wandb,mlflow")
     if cfg.log_dir is not None and not sinks:
         raise ConfigError("--log-dir is the folder of the --log-to dashboards, and --log-to names none")
-    for name in sinks:  # a missing extra or an unusable --log-dir before the run file exists
+    writer = os.environ.get("RANK", "0") == "0"  # global rank 0 alone writes: other nodes may not see its folders
+    for name in sinks if writer else ():  # a missing extra or an unusable --log-dir before the run file exists
         check_sink(name, log_folder(cfg) / name)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
@@ -105,19 +106,10 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     if cfg.scale not in SCALES:
         raise ConfigError(f"unknown --scale {cfg.scale!r}; use one of {', '.join(SCALES)}")
     out = Path(cfg.out)
-    if cfg.resume and not os.path.lexists(out):
+    if cfg.resume and not os.path.lexists(out):  # every rank reads it (and the checkpoint) to resume
         raise ConfigError(f"--resume: {out} does not exist")
-    if not cfg.resume and os.path.lexists(out) and not cfg.overwrite:
-        raise ConfigError(f"{out} already exists (pass --overwrite to replace it, or --resume)")
-    check_overwrite(out)  # --overwrite and --resume replace a run file, never a device, link or other file
-    if not out.parent.is_dir():
-        raise ConfigError(f"cannot write {out}: folder {out.parent} does not exist")
-    try:  # probe writability with a fresh file of our own (O_EXCL), never touching another
-        fd, probe_file = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".writable")
-        os.close(fd)
-        os.unlink(probe_file)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
+    if writer:
+        check_out(cfg, out)
     if cfg.task_file:  # a FIFO or a device would block or never end; a missing file: the loader says so
         with suppress(OSError):
             kind = kind_of(os.stat(cfg.task_file).st_mode)
@@ -130,6 +122,21 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
             raise ConfigError(f"code tasks run generated programs, and {reason}; "
                               "pass --unsafe-sandbox to run them anyway (docs/sandbox.md)")
     return workflow, tasks, rules
+
+
+def check_out(cfg: TrainConfig, out: Path) -> None:
+    """The run file can be written: a new one, or one that ``--overwrite``/``--resume`` may replace."""
+    if not cfg.resume and os.path.lexists(out) and not cfg.overwrite:
+        raise ConfigError(f"{out} already exists (pass --overwrite to replace it, or --resume)")
+    check_overwrite(out)  # --overwrite and --resume replace a run file, never a device, link or other file
+    if not out.parent.is_dir():
+        raise ConfigError(f"cannot write {out}: folder {out.parent} does not exist")
+    try:  # probe writability with a fresh file of our own (O_EXCL), never touching another
+        fd, probe_file = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".writable")
+        os.close(fd)
+        os.unlink(probe_file)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out}: {exc.strerror}") from None
 
 
 def log_folder(cfg: TrainConfig) -> Path:
@@ -165,6 +172,9 @@ def check_checkpoints(cfg: TrainConfig, tasks: TaskSet) -> Checkpoint | None:
                                   f"was the folder moved? (--overwrite starts the run over)")
             return None
         ckpt.check_world(world_size_from_env())
+        if cfg.steps < ckpt.step:  # the file would keep steps past --steps, its config saying otherwise
+            raise ConfigError(f"--resume: the checkpoint is at step {ckpt.step}; --steps must be at least "
+                              f"{ckpt.step}, got {cfg.steps}")
         if ckpt.run_created is not None and ckpt.run_created != run.meta.created:
             raise ConfigError(f"--resume: checkpoint {ckpt.path} belongs to another run (created {ckpt.run_created}, "
                               f"{cfg.out} created {run.meta.created})")

@@ -149,6 +149,16 @@ def test_role_balance(tmp_path, mode, steps, lr_ratio):
         assert lr[policies == "voter"] == pytest.approx(lr_ratio * lr[policies == "aggregator"][0])
 
 
+def test_lr_warms_up_linearly_over_warmup_steps(tmp_path):
+    """Training steps count from 1: step s runs at lr · min(1, s / warmup_steps) (was (s + 1) / warmup_steps:
+    --warmup-steps 2 gave no warm-up at all)."""
+    cfg = dataclasses.replace(small(tmp_path, warmup_steps=3, lr=1e-3), steps=4)
+    Trainer(cfg).run()
+    with open_run(cfg.out) as run:
+        lr = run.scalars.assign(step=run.step).groupby("step")["lr"].agg(["min", "max"])
+    assert lr["min"].tolist() == lr["max"].tolist() == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+
+
 def test_mitigated_run_resumes_exactly(tmp_path, alternating_rewards):
     """The coherence EMAs are part of the checkpoint: 2 steps + resume to 4 = 4 steps in one go."""
     grpo = dict(kl_coef="voter=0.05", coherence_reg="voter=0.5,aggregator=0.2", role_balance="update")

@@ -158,6 +158,17 @@ def test_resume_refuses_a_run_file_older_than_its_checkpoint(tmp_path, capsys, f
     assert digest(out) == digest(tmp_path / "copy.h5")
 
 
+def test_resume_below_the_checkpoints_step_is_refused(tmp_path, capsys, forbid_model):
+    """--steps below the checkpoint's step wrote a config of 2 steps into a file of 3 (and a resume event)."""
+    out = tmp_path / "run.h5"
+    assert train("--steps", "3", "--out", str(out)) == 0
+    before = digest(out)
+    forbid_model()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2"]) == 2
+    assert one_error_line(capsys) == "gradscope: error: --resume: the checkpoint is at step 3; --steps must be at least 3, got 2"
+    assert digest(out) == before
+
+
 def test_resume_without_a_checkpoint_but_with_trained_steps_is_refused(tmp_path, capsys, forbid_model):
     out = tmp_path / "run.h5"
     assert train("--steps", "2", "--out", str(out)) == 0

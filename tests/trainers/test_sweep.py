@@ -196,6 +196,11 @@ def test_tiny_sweep_killed_midway_resumes_without_redoing_finished_runs(tmp_path
     proc = subprocess.run(GRADSCOPE + ["table", str(out), "--over", "seed", "--format", "csv"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and len(proc.stdout.strip().splitlines()) == 1 + 4
+    # nothing left to run: the report is not written again
+    written = (out / "summary.csv").stat().st_mtime_ns
+    stdout, stderr = _sweep(config, out).communicate(timeout=300)
+    assert stdout.strip() == "sweep: 8 runs finished (8 before this invocation), 0 failed", stderr
+    assert (out / "summary.csv").stat().st_mtime_ns == written
 
 
 def test_a_sweep_started_with_sigint_ignored_still_stops_on_it(tmp_path):
@@ -352,3 +357,15 @@ def test_dry_run_prints_command_lines_a_shell_reads_back(tmp_path, capsys):
     name, command = capsys.readouterr().out.strip().split(": ", 1)
     assert shlex.split(command)[:2] == ["gradscope", "train"]
     assert shlex.split(command)[shlex.split(command).index("--alert") + 1] == "coherence[voter] > 2"
+
+
+def test_a_run_whose_only_checkpoint_is_old_is_resumed(tmp_path):
+    """A save killed between its two renames leaves old/ alone: the run resumes from it (was: started over
+    with --overwrite, which deleted old/)."""
+    run = tmp_path / "run.h5"
+    assert main(["train", "--steps", "1", "--tasks-per-step", "2", "--group-size", "2", "--n-held-out", "4",
+                 "--n-train", "16", "--eval-every", "0", "--out", str(run)]) == 0
+    ckpt = tmp_path / "run.h5.ckpt"
+    assert run_state(run, 2).state == RESUME
+    (ckpt / "latest").rename(ckpt / "old")
+    assert run_state(run, 2).state == RESUME

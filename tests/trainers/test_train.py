@@ -250,3 +250,16 @@ def test_progress_shows_the_base_evaluation_as_its_own_phase(tmp_path, monkeypat
     monkeypatch.setattr("tqdm.tqdm.set_description", lambda bar, desc=None, refresh=True: shown.append(desc))
     cli.run_with_progress(Trainer(small(tmp_path, steps=3, eval_every=1, resume=True), echo=lambda line: None))
     assert shown == ["voting/math/ip (training)", "voting/math/ip (evaluation)"]
+
+
+def test_only_global_rank_zero_checks_where_it_writes(tmp_path, monkeypatch):
+    """Multi-node: a node other than rank 0's need not see --out's folder (was: every rank checked it)."""
+    from gradscope.trainers.train import validate
+
+    cfg = TrainConfig(out=str(tmp_path / "elsewhere" / "run.h5"), tasks_per_step=2, n_train=8, n_held_out=4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    validate(cfg)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="folder .*elsewhere does not exist"):
+        validate(cfg)

@@ -40,7 +40,8 @@ def run_state(path: Path, steps: int) -> RunState:
     done, config, tasks = progress.last_step, progress.config, (progress.versions or {}).get("tasks")
     if progress.finished(steps):
         return RunState(DONE, done, config, tasks)
-    if config is not None and (path.with_name(path.name + ".ckpt") / "latest" / "state.pt").is_file():
+    ckpt = path.with_name(path.name + ".ckpt")  # old/ alone: a save killed between its two renames
+    if config is not None and any((ckpt / name / "state.pt").is_file() for name in ("latest", "old")):
         return RunState(RESUME, done, config, tasks)
     return RunState(FRESH, 0, config, tasks)
 
