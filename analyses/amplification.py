@@ -3,7 +3,7 @@
 Default: a role with n ≥ 2 agents whose coherence ``AF_r / n ≥ 0.75`` on at least 80% of a 10-step
 window, while its gradient norm is *significantly* rising over the window (least-squares slope of
 log ‖g_r‖ at least 2 standard errors above 0) or is at least 2× the median of the other roles'
-norms on 80% of the window. Qualifying windows of one role fewer than ``gap`` (20) steps apart are
+norms on 80% of the window. Qualifying windows of one role at most ``gap`` (20) steps apart are
 one finding; a finding that never qualified by dominance must show net growth (its fitted norm
 growth over the finding > 1), so noise on a falling norm is never read as a rising one.
 

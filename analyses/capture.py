@@ -1,7 +1,7 @@
 """Shared-policy role capture: one role's gradient dominates a shared parameter set.
 
 Default: in a parameter set trained by ≥ 2 roles, one role's contribution share ``s_r ≥ 0.7`` on at
-least 80% of a 10-step window; qualifying windows of one role and set fewer than ``gap`` (20) steps
+least 80% of a 10-step window; qualifying windows of one role and set at most ``gap`` (20) steps
 apart are one finding. The finding says whether the role's per-token
 gradient or only its token count explains the dominance, and reports the text-side signature from
 the evaluation records: other roles' output lengths drifting toward the dominant role's, and their
@@ -10,8 +10,9 @@ format validity falling.
 With update attribution (``--probe-updates``) the same window rule runs on the role's **update share**
 ``<Δθ_r, Δθ>/‖Δθ‖²`` too — what AdamW actually applied, which can differ from the gradient share
 because every role's part of the step is divided by the same ``√v``. Every finding reports both means
-and their difference (``measured_by`` says which share crossed the threshold); an episode the update
-share finds where the gradient share does not is a finding of its own.
+and their difference (``measured_by`` says which share crossed the threshold); the steps of an
+update-share episode outside every gradient-share episode (a window of them at least) are a finding of
+their own.
 """
 from __future__ import annotations
 
@@ -40,14 +41,28 @@ def detect_capture(series: RunSeries, cfg: CaptureConfig = CaptureConfig()) -> l
             for measure, values in measures.items():
                 share = values[:, j]
                 qualifies = sustained(share >= cfg.share, cfg.window, cfg.fraction)
-                for a, b in merge_close(episodes(qualifies, cfg.window), series.steps, cfg.gap):
-                    if measure == "update share" and any(a <= d and c <= b for c, d in by_gradient):
-                        continue  # the gradient share's finding of this episode reports the update share
-                    if measure == "gradient share":
-                        by_gradient.append((a, b))
+                found = merge_close(episodes(qualifies, cfg.window), series.steps, cfg.gap)
+                if measure == "gradient share":
+                    by_gradient = found
+                else:  # the gradient share's findings report the update share of their own steps
+                    found = [p for a, b in found for p in _uncovered(a, b, by_gradient, cfg.window)]
+                for a, b in found:
                     onset = a + int(np.argmax(share[a:b + 1] >= cfg.share))
                     out.append(_finding(series, st, policy, roles, j, measure, a, b, onset, cfg))
     return out
+
+
+def _uncovered(a: int, b: int, covered: list[tuple[int, int]], min_len: int) -> list[tuple[int, int]]:
+    """The parts of indices ``a..b`` outside every ``covered`` range, each at least ``min_len`` long."""
+    parts, start = [], a
+    for c, d in sorted(covered):
+        if d >= start and c <= b:
+            if c > start:
+                parts.append((start, c - 1))
+            start = max(start, d + 1)
+    if start <= b:
+        parts.append((start, b))
+    return [(x, y) for x, y in parts if y - x + 1 >= min_len]
 
 
 def _finding(series: RunSeries, st: dict, policy: str, roles: list[str], j: int, measure: str, a: int, b: int,
@@ -56,7 +71,7 @@ def _finding(series: RunSeries, st: dict, policy: str, roles: list[str], j: int,
     role, seg, steps = roles[j], slice(a, b + 1), series.steps
     fair = 1.0 / len(roles)
     tok, per_tok = float(np.nanmean(st["token_share"][seg, j])), float(np.nanmean(st["per_token_share"][seg, j]))
-    by_tokens, by_grad = tok >= fair + cfg.excess, per_tok >= fair + cfg.excess
+    by_tokens, by_grad = tok >= fair + cfg.excess - 1e-9, per_tok >= fair + cfg.excess - 1e-9  # as `sustained`
     explained = {(True, True): "both", (True, False): "token count",
                  (False, True): "per-token gradient", (False, False): "neither"}[(by_tokens, by_grad)]
     mean_share = float(np.nanmean(st["share"][seg, j]))

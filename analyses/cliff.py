@@ -50,7 +50,7 @@ def find_cliffs(accuracy: pd.Series, cfg: CliffConfig = CliffConfig()) -> tuple[
             peak_i = i
         peak = s[peak_i]
         need = max(cfg.min_drop, cfg.min_rel_drop * peak)
-        if peak - s[i] < need - 1e-12:
+        if peak - s[i] <= 0 or peak - s[i] < need - 1e-12:  # no drop is a drop, even at a threshold of 0
             i += 1
             continue
         near = [j for j in range(peak_i, i) if s[j] >= peak - (peak - s[i]) / 4]

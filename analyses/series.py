@@ -193,7 +193,8 @@ class RunSeries:
 
     @cached_property
     def accuracy(self) -> pd.Series:
-        """Held-out accuracy by evaluation step (empty when the run has no evaluations)."""
+        """Held-out accuracy by evaluation step, finite values only (empty when the run has no evaluations)."""
         if "accuracy" in self.evals:
-            return self.evals["accuracy"].dropna()
+            acc = self.evals["accuracy"]
+            return acc[np.isfinite(acc.to_numpy(dtype=float))]
         return pd.Series(dtype=float)

@@ -18,7 +18,7 @@ class AmplificationConfig:
     fraction: float = 0.8     # share of the window's steps above the threshold
     norm_ratio: float = 2.0   # "dominant": the role's norm ≥ this × the other roles' median (on `fraction`)
     rise_z: float = 2.0       # "rising": the window's log-norm slope ≥ this many standard errors above 0
-    gap: int = 20             # episodes of one role fewer than this many steps apart are one finding
+    gap: int = 20             # episodes of one role at most this many steps apart are one finding
     update_ratio: float = 2.0  # update channel: the role's policy moves ≥ this × the other policies per step
 
 
@@ -28,7 +28,7 @@ class CaptureConfig:
     window: int = 10
     fraction: float = 0.8
     excess: float = 0.1       # token / per-token share above the fair 1/R that "explains" dominance
-    gap: int = 20             # episodes of one role and set fewer than this many steps apart are one finding
+    gap: int = 20             # episodes of one role and set at most this many steps apart are one finding
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def rolling_fit(y: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
 def episodes(qualifies: np.ndarray, window: int) -> list[tuple[int, int]]:
     """Runs of qualifying windows → (first index, last index) of the data they cover.
 
-    Runs whose covered ranges touch or overlap (a gap shorter than a window) are one episode, so a
+    Runs whose covered ranges touch or overlap are one episode, so a
     statistic hovering at its threshold gives one finding, not hundreds.
     """
     out: list[tuple[int, int]] = []

@@ -228,9 +228,13 @@ class RunMeta:
 
     def validate_new(self) -> None:
         """:meth:`validate`, and the rules for a run written now: no ``|`` in agent or role names (it separates the
-        two names of a pair's column, ``cos/<A>|<B>``: "a" and "b|c" would share one with "a|b" and "c"). Files
-        written before the rule still read."""
+        two names of a pair's column, ``cos/<A>|<B>``: "a" and "b|c" would share one with "a|b" and "c"), and no
+        policy named ``all`` (the name analyses give the set of untagged records). Files written before the
+        rules still read."""
         self.validate()
+        if "all" in self.policies:
+            raise ValueError("RunMeta.policies must not name a policy 'all' (analyses call the untagged records' "
+                             "parameter set so)")
         for what, names in (("agents", self.agents), ("roles", self.roles)):
             if any("|" in n for n in names):
                 raise ValueError(f"RunMeta.{what} must not contain '|' (it separates the names of a pair in columns "

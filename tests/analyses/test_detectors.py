@@ -505,3 +505,30 @@ def test_records_with_a_non_finite_gram_leave_the_token_share() -> None:
     tokens[bad, 3] *= 50
     shares = shared_set_stats(gram, tokens, list(series.agent_roles), ["voter", "aggregator"])
     assert np.isnan(shares["token_share"][bad]).all() and np.isfinite(shares["token_share"][~bad]).all()
+
+
+def test_a_zero_drop_threshold_finds_real_drops_and_ends() -> None:
+    """--min-drop 0 --min-rel-drop 0 with accuracy from 0: a flat stretch at the running peak is no drop
+    (it looped forever: a 'drop' of 0 'recovered' at the same evaluation)."""
+    from gradscope.analyses.thresholds import CliffConfig
+
+    zero = CliffConfig(min_drop=0.0, min_rel_drop=0.0)
+    rising = pd.Series([0.0, 0.0, 0.1, 0.2, 0.3], index=[0, 5, 10, 15, 20])
+    assert find_cliffs(rising, zero) == ([], [])
+    falling = pd.Series([0.0, 0.4, 0.4, 0.4, 0.1, 0.1, 0.1], index=range(0, 35, 5))
+    cliffs, _ = find_cliffs(falling, zero)
+    assert [(c.peak, c.trough) for c in cliffs] == [(0.4, 0.1)]
+
+
+def test_accuracy_that_is_not_finite_is_left_out() -> None:
+    """inf was read as the peak (reported as null, with a step), -inf as a critical trough of a run that
+    ends where it began."""
+    for bad in (np.inf, -np.inf):
+        acc = [0.5, 0.5, bad, bad, 0.5, 0.5] if bad < 0 else [0.5, bad, 0.5, 0.2, 0.2, 0.2]
+        series = syn.with_evals(syn.bland_series(30), syn.eval_frame([0, 5, 10, 15, 20, 25], acc))
+        assert np.isfinite(series.accuracy).all() and len(series.accuracy) == 6 - acc.count(bad)
+        cliffs, _ = find_cliffs(series.accuracy)
+        if bad < 0:
+            assert cliffs == []
+        else:
+            assert [(c.peak_step, c.peak) for c in cliffs] == [(0, 0.5)]

@@ -43,6 +43,27 @@ def test_gradient_share_finding_reports_the_update_share_once(tmp_path):
     assert none == []
 
 
+def test_update_share_steps_past_a_gradient_share_episode_are_a_finding(tmp_path):
+    """Gradient share 0.8 to step 15, then 0.55; update share 0.85 from step 10 to 60. The update channel's
+    steps after the gradient episode were dropped with the whole update episode, as it overlapped."""
+    path = write_update_run(tmp_path / "o.h5", steps=60, grad_share=lambda t: 0.8 if t <= 15 else 0.55,
+                            update_share=lambda t: 0.85 if t >= 10 else 0.5)
+    found, _ = captures(path)
+    assert [(f.evidence["measured_by"], f.start, f.end) for f in found] == [
+        ("gradient share", 1, 17), ("update share", 18, 60)]
+    assert found[1].onset == 18 and found[1].evidence["mean_update_share"] == pytest.approx(0.85, abs=1e-6)
+
+
+def test_fail_on_ignores_info_findings(tmp_path, capsys):
+    """Three voters write 90 % of the tokens: a capture by token count alone (info), present in every healthy
+    Voting run; --fail-on capture failed on it."""
+    path = write_update_run(tmp_path / "t.h5", grad_share=0.8, update_share=lambda t: 0.75)
+    found, _ = captures(path)
+    assert [(f.severity, f.evidence["explained_by"]) for f in found] == [("info", "token count")]
+    assert main(["analyze", str(path), "--fail-on", "capture"]) == 0
+    capsys.readouterr()
+
+
 def test_summary_compares_gradient_and_update(tmp_path):
     path = write_update_run(tmp_path / "s.h5", update_share=lambda t: 0.3)
     series, _ = load(str(path))

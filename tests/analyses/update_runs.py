@@ -28,7 +28,8 @@ def components(share: float, wd: float = 1e-3) -> np.ndarray:
     return np.stack([np.sqrt(share * total) * e[0], np.sqrt((1 - share) * total) * e[1], 0 * e[0], wd * e[2]])
 
 
-def write_update_run(path: Path, *, update_share: Callable[[int], float], grad_share: float = 0.55,
+def write_update_run(path: Path, *, update_share: Callable[[int], float],
+                     grad_share: float | Callable[[int], float] = 0.55,
                      steps: int = 30, policy: str = "sp", scale: float = 1e-3) -> Path:
     e = np.eye(DIM)
     meta = RunMeta(agents=AGENTS, agent_roles=ROLES, policies=["voter", "aggregator"] if policy == "ip" else ["shared"],
@@ -36,7 +37,8 @@ def write_update_run(path: Path, *, update_share: Callable[[int], float], grad_s
                    update_unit="role")
     with RunWriter(path, meta) as w:
         for step in range(1, steps + 1):
-            g_voter, g_agg = np.sqrt(grad_share) * e[0], np.sqrt(1 - grad_share) * e[1]
+            gs = grad_share(step) if callable(grad_share) else grad_share
+            g_voter, g_agg = np.sqrt(gs) * e[0], np.sqrt(1 - gs) * e[1]
             G = np.stack([g_voter / 3] * 3 + [g_agg])               # (K, DIM)
             D = scale * components(update_share(step))               # (C, DIM)
             records = [("shared", G, D)] if policy == "sp" else [

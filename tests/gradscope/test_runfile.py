@@ -335,6 +335,7 @@ def test_meta_validation(over: dict[str, Any], match: str) -> None:
 @pytest.mark.parametrize("over, match", [
     (dict(agents=["a", "b|c", "a|b", "c"]), r"agents must not contain '\|'"),  # cos/a|b|c would be two pairs'
     (dict(agent_roles=["v|w", "v|w", "v|w", "aggregator"], roles=["v|w", "aggregator"]), r"roles must not contain"),
+    (dict(policies=["all", "voter"]), r"must not name a policy 'all'"),  # the untagged records' set in analyses
 ])
 def test_a_new_run_refuses_the_pair_separator_in_names(tmp_path: Path, over: dict[str, Any], match: str) -> None:
     """Agents "a", "b|c", "a|b", "c" gave one column cos/a|b|c to two pairs (derive returned 18 columns of 19);
