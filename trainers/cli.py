@@ -34,7 +34,8 @@ def run_with_progress(trainer: Trainer) -> Path:
             if "eval_accuracy" in metrics:
                 last_acc[:] = [metrics["eval_accuracy"]]
             bar.n = step
-            bar.set_postfix(reward=f"{metrics['train/accuracy']:.2f}",
+            reward = metrics.get("train/accuracy")  # none at step 0, the base evaluation
+            bar.set_postfix(reward="-" if reward is None else f"{reward:.2f}",
                             eval_acc=f"{last_acc[0]:.3f}" if last_acc else "-")
 
         return trainer.run(on_step=progress, on_phase=lambda phase: bar.set_description(f"{name} ({phase})"))

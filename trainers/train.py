@@ -274,7 +274,8 @@ class Trainer:
         """Train to ``cfg.steps``, or until an alert's ``stop`` (then :attr:`stopped_by` is set, the
         step in progress is finished, checkpointed, and the last event is ``stop``).
 
-        ``on_step(step, metrics)`` after each step; ``on_phase(name)`` when the work changes between
+        ``on_step(step, metrics)`` after each step (and ``on_step(0, {"eval_accuracy": ...})`` after the base
+        evaluation); ``on_phase(name)`` when the work changes between
         ``"base evaluation"``, ``"training"`` and ``"evaluation"`` (for a progress display)."""
         phase = on_phase or (lambda name: None)
         cfg, out, dist = self.cfg, Path(self.cfg.out), self.dist
@@ -307,6 +308,8 @@ class Trainer:
                 evals = self.evaluate()
                 writer.log_eval(0, evals)
                 monitor.evals(0, evals)
+                if on_step is not None:
+                    on_step(0, {"eval_accuracy": evals["accuracy"]})
                 if self._after(0, monitor, writer, ckpt_dir, scheduled=True):
                     return out  # stopped by the base evaluation: nothing trained
             for step in range((done or 0) + 1, cfg.steps + 1):

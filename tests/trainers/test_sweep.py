@@ -77,6 +77,7 @@ def write(tmp_path: Path, text: str, name: str = "sweep.yaml") -> Path:
     ("train:\n  steps: 1\n  workflow: bogus\ngrid:\n  seed: [0]\n", ":3:13:", "unknown workflow 'bogus'"),
     ("train:\n  steps: 1\n  workflow: bogus\n", ":3:13:", "unknown workflow 'bogus'"),
     ("train:\n  alert: ['garbage ((']\n", ":2:10:", "bad alert rule 'garbage (('"),
+    ("train:\n  alert: [1]\n", ":2:10:", "bad alert rule '1'"),  # one character, quoted whole
     ("train:\n  task_file: nope.jsonl\ngrid:\n  seed: [0, 1]\n", ":2:14:", "nope.jsonl: cannot read task file"),
 ])
 def test_bad_sweep_files_exit_2_with_their_location(tmp_path, capsys, text, where, message):

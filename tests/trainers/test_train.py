@@ -263,3 +263,15 @@ def test_only_global_rank_zero_checks_where_it_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="folder .*elsewhere does not exist"):
         validate(cfg)
+
+
+def test_on_step_reports_the_base_evaluation_first(tmp_path):
+    """The progress bar showed eval_acc '-' until the first evaluation after step 0."""
+    cfg = TrainConfig(steps=2, tasks_per_step=2, n_held_out=4, n_train=16, eval_every=0, checkpoint_every=0,
+                      out=str(tmp_path / "run.h5"), grpo=GRPOConfig(group_size=2))
+    calls = []
+    Trainer(cfg).run(on_step=lambda step, metrics: calls.append((step, "train/accuracy" in metrics,
+                                                                 metrics.get("eval_accuracy"))))
+    with open_run(cfg.out) as run:
+        acc = run.evals_wide()["accuracy"]
+    assert calls == [(0, False, acc[0]), (1, True, None), (2, True, acc[2])]

@@ -40,7 +40,8 @@ class Cell:
         best, where = 0, self.settings[0].where if self.settings else ""
         for s in (*self.settings, *fixed):
             values = s.value if isinstance(s.value, list) else [s.value]
-            parts = {p for v in values for p in [str(v), *re.split(r"[,=\s]+", str(v))] if len(p) >= 2}
+            parts = {p for v in values for p in [str(v), *re.split(r"[,=\s]+", str(v))]
+                     if len(p) >= 2 or f"'{p}'" in message}  # a one-character value only when quoted whole
             # a fixed value counts only as a whole token: a short one ("ip", "10") would match inside words
             found = [p for p in parts if (p in message if s in self.settings else
                                           re.search(rf"(?<![\w.-]){re.escape(p)}(?![\w-])", message))]
