@@ -55,7 +55,7 @@ def policy_of(series: RunSeries) -> str:
 
 
 #: Config keys that say nothing about what was trained (where it was written, how it was run).
-RUN_KEYS = ("out", "overwrite", "resume", "threads", "world_size", "dist_timeout", "checkpoint_every")
+RUN_KEYS = ("out", "run", "overwrite", "resume", "threads", "world_size", "dist_timeout", "checkpoint_every")
 
 
 def flat_config(series: RunSeries) -> dict[str, object]:

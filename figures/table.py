@@ -27,18 +27,28 @@ from gradscope.errors import ConfigError
 FORMATS = ("md", "csv", "latex")
 COLUMNS = ("run", "workflow", "task", "model", "policy", "base", "peak", "peak_step", "final", "delta",
            "cliff", "cliff_onset")
+MEASURES = ("base", "peak", "final", "delta")
+#: Columns of the two tables: a setting of the same name becomes column ``<name> (setting)``.
+RESERVED = frozenset({*COLUMNS, "n", "cliffs", "judged", "cliff_rate",
+                      *(f"{m}_{x}" for m in MEASURES for x in ("mean", "sd"))})
+
+
+def setting_column(key: str) -> str:
+    """The column of config key ``key`` in the tables (renamed where it would clash with one of theirs)."""
+    return f"{key} (setting)" if key in RESERVED else key
 
 
 def summary_table(runs: Iterable[RunLike], extra: Sequence[str] = ()) -> pd.DataFrame:
     """One row per run (RunSeries or paths). ``cliff`` is True/False, or None with fewer than 3
     evaluations (the detector needs 3); ``cliff_onset`` is the onset step or None. ``extra``: config
-    keys (flag names) to add as columns after ``policy``."""
+    keys (flag names) to add as columns after ``policy`` (named by :func:`setting_column`)."""
+    columns = [setting_column(k) for k in extra]
     rows = []
     for s in data.as_series_list(runs):
         acc = s.accuracy
         config = data.flat_config(s)
         row = {"run": Path(s.name).name if s.name else "run", **data.describe(s),
-               **{k: _scalar(config.get(k)) for k in extra}}
+               **{c: _scalar(config.get(k)) for c, k in zip(columns, extra)}}
         if len(acc):
             base, final = float(acc.iloc[0]), float(acc.iloc[-1])
             row.update(base=base, peak=float(acc.max()), peak_step=int(acc.idxmax()), final=final,
@@ -49,7 +59,7 @@ def summary_table(runs: Iterable[RunLike], extra: Sequence[str] = ()) -> pd.Data
         row["cliff"] = None if len(acc) < 3 else cliff is not None
         row["cliff_onset"] = cliff.onset if cliff else None
         rows.append(row)
-    df = pd.DataFrame(rows, columns=[*COLUMNS[:5], *extra, *COLUMNS[5:]])
+    df = pd.DataFrame(rows, columns=[*COLUMNS[:5], *columns, *COLUMNS[5:]])
     for col in ("peak_step", "cliff_onset"):
         df[col] = df[col].astype("Int64")
     df["cliff"] = df["cliff"].astype(object)
@@ -115,7 +125,6 @@ def _tex(text: str) -> str:
 
 
 # ------------------------------------------------------------------ over seeds (Table 1)
-MEASURES = ("base", "peak", "final", "delta")
 
 
 def cell_table(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
@@ -156,7 +165,8 @@ def format_cell_table(df: pd.DataFrame, keys: Sequence[str], fmt: str = "md") ->
         return _csv(df)
     head = [*keys, "n", "base", "peak", "final", "Δ", "cliffs"]
     tex = fmt == "latex"
-    rows = [[policy_label(str(r[k])) if k == "policy" else str(r[k]) for k in keys] + [str(int(r["n"]))]
+    rows = [[policy_label(str(r[k])) if k == "policy" else MISSING if is_missing(r[k]) else str(r[k])
+             for k in keys] + [str(int(r["n"]))]
             + [_pm(r, m, tex) for m in MEASURES]
             + [MISSING if not r["judged"] else f"{int(r['cliffs'])}/{int(r['judged'])}"] for _, r in df.iterrows()]
     if fmt == "md":
@@ -182,5 +192,5 @@ def seed_table(runs: Iterable[RunLike], over: str = "seed", fmt: str = "md") -> 
         raise ConfigError(f"--over {over}: no run has a setting of that name (the train flags' names, "
                           f"e.g. seed, lr, kl_coef)")
     extra = data.varying_keys(series, exclude=(over,))
-    keys = ["workflow", "task", "model", "policy", *extra]
+    keys = ["workflow", "task", "model", "policy", *map(setting_column, extra)]
     return format_cell_table(cell_table(summary_table(series, extra), keys), keys, fmt)

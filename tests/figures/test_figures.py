@@ -353,6 +353,35 @@ def test_table(runs):
         format_table(df, "html")
 
 
+def test_a_setting_named_like_a_table_column_keeps_its_values(runs):
+    """A config key `n` (4, 4, 8) was overwritten by the run count in --over tables (CSV `n,n` with the
+    count twice; Markdown raised TypeError); `run` (verl's run-file path) is where a run was written, no cell."""
+    from gradscope.figures.table import seed_table
+
+    base = data.load(runs["sp_ok"])[0]
+    series = [replace(base, config={**base.config, "n": n, "seed": seed, "run": f"/runs/r{i}.h5"}, name=f"r{i}.h5")
+              for i, (n, seed) in enumerate([(4, 0), (4, 1), (8, 0)])]
+    csv = seed_table(series, fmt="csv").splitlines()
+    assert csv[0].split(",")[:6] == ["workflow", "task", "model", "policy", "n (setting)", "n"]
+    assert [line.split(",")[4:6] for line in csv[1:]] == [["4", "2"], ["8", "1"]]
+    md = seed_table(series, fmt="md").splitlines()
+    assert md[0].startswith("| workflow | task | model | policy | n (setting) | n | base") and len(md) == 4
+    summary = summary_table(series, ["n"])
+    assert list(summary["n (setting)"]) == [4, 4, 8]
+
+
+def test_a_setting_some_cells_lack_reads_as_missing(runs):
+    """Two runs disagree on `note`, a third lacks it: its cell read `nan`, not `—`."""
+    from gradscope.figures.table import seed_table
+
+    base = data.load(runs["sp_ok"])[0]
+    series = [replace(base, config={**base.config, "seed": 0, **extra}, name=f"{i}.h5")
+              for i, extra in enumerate([{"note": "x"}, {"note": "y"}, {}])]
+    md = seed_table(series, fmt="md").splitlines()
+    assert md[0].startswith("| workflow | task | model | policy | note | n |") and len(md) == 5, md
+    assert [row.split("|")[5].strip() for row in md[2:]] == ["x", "y", "—"]
+
+
 def test_a_flag_some_runs_lack_varies_only_where_they_disagree(runs):
     """A run written before a flag existed lacks it: the flag does not split cells unless runs that have it differ."""
     import dataclasses
