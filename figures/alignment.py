@@ -66,7 +66,7 @@ def _over_time(s, cos, pairs, window: int, size: str, vmax: float | None) -> Fig
     rows = data.smooth(rows.T, window).T
     lim = _limit(rows, vmax)
     labels = [f"{s.agents[k]} · {s.agents[l]}" for _, k, l in pairs]
-    with theme():
+    with theme(s.roles):
         fig, axes = new_figure(size, max(1.5, 0.75 + 0.16 * len(pairs)), 1, 1)
         ax = axes[0, 0]
         ax.set_label("alignment-heatmap")
@@ -93,13 +93,14 @@ def _over_time(s, cos, pairs, window: int, size: str, vmax: float | None) -> Fig
 
 def _at_steps(s, cos, steps: list[int], window: int, size: str, vmax: float | None) -> Figure:
     have = s.steps
-    mats = []
+    mats, spans = [], []
     for step in steps:
         sel = (have <= step) & (have > step - window)
-        if not sel.any():
+        if not sel.any() or step > have[-1]:  # past the run's end a window would hold only its end
             raise ConfigError(f"alignment: no gradient records at step {step}" +
-                              (f" or the {window - 1} before it" if window > 1 else "") +
+                              (f" or the {window - 1} before it" if window > 1 and step <= have[-1] else "") +
                               f" (the run has steps {have[0]}–{have[-1]})")
+        spans.append((int(have[sel][0]), int(have[sel][-1])))  # the steps with records the matrix averages
         chunk = cos[sel]
         ok = np.isfinite(chunk)
         count = ok.sum(axis=0)
@@ -112,9 +113,9 @@ def _at_steps(s, cos, steps: list[int], window: int, size: str, vmax: float | No
     per = 7.0 if size == "two" else 3.4
     name_room = 0.35 + 0.06 * max(len(a) for a in s.agents)   # agent names left of / below the matrices
     cell = min(1.9, (per - name_room - 0.7 - 0.1 * n) / max(n, 1))
-    with theme():
+    with theme(s.roles):
         fig, axes = new_figure(size, min(5.0, cell + 0.2 + name_room), 1, n, sharey=True)
-        for ax, step, m in zip(axes[0], steps, mats):
+        for ax, step, m, (first, last) in zip(axes[0], steps, mats, spans):
             ax.set_label(f"alignment:{step}")
             m = np.where(np.eye(K, dtype=bool), np.nan, m)  # the diagonal is 1 by definition: grey
             im = ax.imshow(np.ma.masked_invalid(m), cmap=DIVERGING, norm=Normalize(-lim, lim), interpolation="nearest")
@@ -132,7 +133,7 @@ def _at_steps(s, cos, steps: list[int], window: int, size: str, vmax: float | No
                         if np.isfinite(m[i, j]):
                             ax.text(j, i, f"{round(m[i, j], 2) + 0.0:.2f}", ha="center", va="center", fontsize=5.5,
                                     color="white" if abs(m[i, j]) > 0.6 * lim else "#222222")
-            ax.set_title(f"step {step}" if window == 1 else f"steps {step - window + 1}–{step}")
+            ax.set_title(f"step {step}" if first == last else f"steps {first}–{last}")
         fig.suptitle(data.title(s).replace("\n", " · "), fontsize=7)
         cb = fig.colorbar(im, ax=list(axes[0]), fraction=0.04, pad=0.02, shrink=0.9)
         cb.set_label("cosine")

@@ -62,7 +62,7 @@ def cliff_figure(runs: RunLike | Iterable[RunLike], *, size: str = "two", smooth
         if not len(s.accuracy) and not len(s.gram):
             raise ConfigError(f"{s.name}: no accuracy evaluations and no gradient records: nothing to draw")
     ncols = len(series)
-    with theme():
+    with theme(r for s in series for r in s.roles):
         fig, axes = new_figure(size, height or 1.05 * len(ROWS) + 0.9, len(ROWS), ncols,
                                sharex=True, sharey="row")
         end = max(data.last_step(s) for s in series)
@@ -116,7 +116,9 @@ def _finish(fig: Figure, axes: np.ndarray, series: list, end: int, top_acc: floa
     axes[0, 0].set_xlim(-margin, end + margin)
     axes[0, 0].xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True, steps=[1, 2, 2.5, 5, 10]))
     row = {name: axes[i] for i, name in enumerate(ROWS)}
-    row["accuracy"][0].set_ylim(-0.03, min(1.02, top_acc + 0.1) if top_acc > 0 else 1.0)
+    # accuracies in [0, 1]: up to just above 1; logged otherwise (e.g. in percent): up to their top
+    hi = (min(1.02, top_acc + 0.1) if top_acc <= 1 else 1.05 * top_acc) if top_acc > 0 else 1.0
+    row["accuracy"][0].set_ylim(-0.03, hi)
     row["coherence"][0].set_ylim(0, 1.05)
     _share_limits(row["shares"])
     for ax_row in axes:  # room above the data for the lead markers (▼ at 95% of the height)

@@ -59,7 +59,7 @@ def ip_vs_sp_figure(runs: Iterable[RunLike], *, size: str = "two", height: float
         for ax, (policy, runs_) in zip(axes[0], groups.items()):
             top = max(top, _panel(ax, policy, runs_, legend_cols=2 if size == "two" else 1))
         axes[0, 0].set_ylabel("held-out accuracy")
-        axes[0, 0].set_ylim(-0.02, min(1.02, top + 0.08))
+        axes[0, 0].set_ylim(-0.02, min(1.02, top + 0.08) if top <= 1 else 1.05 * top)  # accuracy in percent: all of it
         axes[0, 0].xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True, steps=[1, 2, 2.5, 5, 10]))
         d = data.describe(series[0])
         fig.suptitle(f"{d['workflow']} / {d['task']} · {d['model']}", fontsize=8)
@@ -108,5 +108,5 @@ def _panel(ax, policy: str, runs: list, legend_cols: int = 2) -> float:
     ax.set_xlabel("training step")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=legend_cols, borderaxespad=0,
               fontsize=6.3 if legend_cols == 2 else 5.8, handlelength=1.4)
-    finite = curves.to_numpy(dtype=float)
-    return float(np.nanmax(finite))
+    tops = [curves.to_numpy(dtype=float)] + ([hi] if n > 1 else [])  # the band's top too: never clipped
+    return float(max(np.nanmax(t) for t in tops))

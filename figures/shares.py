@@ -46,7 +46,7 @@ def shares_figure(run: RunLike, *, size: str = "two", smooth: int = 1, height: f
     sets = list(s.shared_sets)
     cliff = data.cliff_of(s)
     captures = detect_capture(s) if len(s.steps) >= 10 else []
-    with theme():
+    with theme(s.roles):
         fig, axes = new_figure(size, height, len(ROWS), len(sets), sharex=True, sharey="row")
         for c, policy in enumerate(sets):
             col = {name: axes[i, c] for i, name in enumerate(ROWS)}

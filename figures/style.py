@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from contextvars import ContextVar
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -59,11 +60,33 @@ WIDTHS = {"one": 3.4, "two": 7.0}
 FORMATS = ("png", "pdf", "svg")
 
 
+#: The colours of the figure being built (:func:`theme`'s ``roles``): role → colour.
+_FIGURE_COLORS: ContextVar[dict[str, str]] = ContextVar("gradscope_role_colors", default={})
+
+
 def role_color(role: str) -> str:
-    """The colour of ``role`` in every figure (lower-case hex, as ``matplotlib.colors.to_hex``)."""
+    """The colour of ``role`` (lower-case hex, as ``matplotlib.colors.to_hex``): a workflow role's is
+    fixed; any other role's comes from its name, moved on to the next spare colour that no other role
+    of the figure being built has (:func:`theme`)."""
     if role in ROLE_COLORS:
         return ROLE_COLORS[role].lower()
-    return _SPARE[zlib.crc32(role.encode("utf-8")) % len(_SPARE)].lower()
+    return _FIGURE_COLORS.get().get(role) or _spare(role, 0)
+
+
+def _spare(role: str, k: int) -> str:
+    return _SPARE[(zlib.crc32(role.encode("utf-8")) + k) % len(_SPARE)].lower()
+
+
+def _figure_colors(roles: Iterable[str]) -> dict[str, str]:
+    """Distinct colours for ``roles`` where the palette allows (more roles than colours repeat some)."""
+    roles = set(roles)
+    used = {ROLE_COLORS[r].lower() for r in roles if r in ROLE_COLORS}
+    out = {}
+    for role in sorted(roles - set(ROLE_COLORS)):
+        free = [c for c in (_spare(role, k) for k in range(len(_SPARE))) if c not in used]
+        out[role] = free[0] if free else _spare(role, 0)
+        used.add(out[role])
+    return out
 
 
 def policy_color(policy: str) -> str:
@@ -104,10 +127,15 @@ def _rc() -> dict:
 
 
 @contextlib.contextmanager
-def theme() -> Iterator[None]:
-    """Temporarily apply the gradscope theme (rcParams are restored on exit)."""
-    with mpl.rc_context(_rc()):
-        yield
+def theme(roles: Iterable[str] = ()) -> Iterator[None]:
+    """Temporarily apply the gradscope theme (rcParams are restored on exit); ``roles``: every role the
+    figure draws, so that no two of them share a colour (:func:`role_color`)."""
+    token = _FIGURE_COLORS.set(_figure_colors(roles))
+    try:
+        with mpl.rc_context(_rc()):
+            yield
+    finally:
+        _FIGURE_COLORS.reset(token)
 
 
 def new_figure(size: str, height: float, nrows: int = 1, ncols: int = 1, **subplot_kw) -> tuple[Figure, object]:

@@ -44,7 +44,7 @@ def updates_figure(run: RunLike, *, size: str = "two", smooth: int = 1) -> Figur
     sets = list(s.shared_sets)
     rows = 1 + len(sets)
     mk = panels.markers_for(len(s.steps))
-    with theme():
+    with theme(s.roles):
         fig = Figure(figsize=(width(size), 1.9 + 1.5 * rows), layout="constrained")
         grid = fig.add_gridspec(rows, 2, width_ratios=(2.2, 1))
         series_axes = [fig.add_subplot(grid[0, 0])]
@@ -61,10 +61,11 @@ def updates_figure(run: RunLike, *, size: str = "two", smooth: int = 1) -> Figur
                      fontsize=7)
         for ax, policy in zip(series_axes[1:], sets):
             ax.set_label(f"shares:{policy}")
-            st = s.set_stats(policy)
-            for j, role in enumerate(st["roles"]):
-                for key, style, what in (("share", GRADIENT, "gradient"), ("update_share", UPDATE, "update")):
-                    panels.line(ax, s.steps, data.smooth(st[key][:, j], smooth), color=role_color(str(role)),
+            roles = s.set_stats(policy)["roles"]
+            for key, style, what in (("share", GRADIENT, "gradient"), ("update_share", UPDATE, "update")):
+                shares = panels.set_shares(s, policy, key)  # a gap where the set had nothing to share
+                for j, role in enumerate(roles):
+                    panels.line(ax, s.steps, data.smooth(shares[:, j], smooth), color=role_color(str(role)),
                                 linestyle=style, label=f"{role} {what}", **mk)
             ax.axhline(panels.CAPTURE_THRESHOLD, color=NEUTRAL, linestyle=":", linewidth=0.9,
                        label=f"capture threshold {panels.CAPTURE_THRESHOLD}")

@@ -40,7 +40,7 @@ def _age(path: str) -> str:
 def _last_record_summary(run: RunReader) -> str:
     """Total norm and per-role contribution shares of the last record, via gradscope.stats."""
     try:
-        from gradscope.stats import derive, derive_updates
+        from gradscope.stats import UPDATE_EXTRAS, derive, derive_updates
     except ImportError:
         return "(statistics unavailable: gradscope.stats not importable)"
     meta = run.meta
@@ -57,7 +57,7 @@ def _last_record_summary(run: RunReader) -> str:
         upd = derive_updates(run.read("update_gram", -1)[0], run.read("update_interference", -1)[0], units,
                              meta.agent_roles, meta.roles)
         line += "; update shares: " + ", ".join(f"{c} {number(float(upd[f'update_share/{c}']), '.2f')}"
-                                                for c in [*meta.roles, "weight_decay"])
+                                                for c in [*meta.roles, *UPDATE_EXTRAS])
     return line
 
 
@@ -80,7 +80,7 @@ def render_info(path: str | os.PathLike[str]) -> str:
             add("writer", f"not closed: live or killed (file last modified {_age(path)}; "
                           f"only committed records are shown)")
         add("versions", _names([f"{k} {v}" for k, v in meta.versions.items()], limit=20))
-        add("seed", text(meta.seed))
+        add("seed", text(meta.seed if meta.seed is not None else (meta.config or {}).get("seed")))
         add("probe method", meta.probe_method or MISSING)
         add("updates", f"split by {meta.update_unit} into {', '.join(meta.update_components)}"
             if meta.update_unit else "(no update attribution)")

@@ -97,6 +97,17 @@ def test_updates_figure_and_command(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "fig.png")
 
 
+def test_updates_figure_leaves_steps_without_gradient_as_gaps(tmp_path):
+    """No gradient at steps 10-12: the signed gradient share there is no measurement (a gap, as in the
+    cliffs and shares figures), not a share of 0."""
+    path = write_update_run(tmp_path / "z.h5", update_share=lambda t: 0.3, no_gradient=lambda t: 10 <= t <= 12)
+    ax = next(ax for ax in updates_figure(str(path)).axes if ax.get_label() == "shares:shared")
+    line = next(line for line in ax.get_lines() if line.get_label() == "voter gradient")
+    x, y = (np.asarray(v, dtype=float) for v in line.get_data())
+    assert np.isnan(y[(x >= 10) & (x <= 12)]).all() and not (y == 0).any()
+    assert y[x == 9] == pytest.approx(0.55)
+
+
 def test_interference_matrix_is_the_mean_over_records(tmp_path):
     """Step 1 has three records, step 2 one with a 10× larger update: the figure's cell is the mean of
     the four records (docs/figures.md), not the mean of the two per-step means."""

@@ -29,7 +29,7 @@ def components(share: float, wd: float = 1e-3) -> np.ndarray:
 
 
 def write_update_run(path: Path, *, update_share: Callable[[int], float],
-                     grad_share: float | Callable[[int], float] = 0.55,
+                     grad_share: float | Callable[[int], float] = 0.55, no_gradient: Callable[[int], bool] = lambda t: False,
                      steps: int = 30, policy: str = "sp", scale: float = 1e-3) -> Path:
     e = np.eye(DIM)
     meta = RunMeta(agents=AGENTS, agent_roles=ROLES, policies=["voter", "aggregator"] if policy == "ip" else ["shared"],
@@ -39,7 +39,7 @@ def write_update_run(path: Path, *, update_share: Callable[[int], float],
         for step in range(1, steps + 1):
             gs = grad_share(step) if callable(grad_share) else grad_share
             g_voter, g_agg = np.sqrt(gs) * e[0], np.sqrt(1 - gs) * e[1]
-            G = np.stack([g_voter / 3] * 3 + [g_agg])               # (K, DIM)
+            G = np.stack([g_voter / 3] * 3 + [g_agg]) * (not no_gradient(step))   # (K, DIM)
             D = scale * components(update_share(step))               # (C, DIM)
             records = [("shared", G, D)] if policy == "sp" else [
                 ("voter", G * [[1], [1], [1], [0]], D * [[1], [0], [0], [1]]),

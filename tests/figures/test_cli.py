@@ -84,6 +84,8 @@ def test_plot_panels_without_data_still_draw(capsys, runs, tmp_path):
     (["plot", "cliffs", "{sp_ok}", "--dpi", "100000"], "--dpi: must be a whole number in [200, 1200]"),
     (["plot", "cliffs", "{sp_ok}", "--steps", "3"], "--steps applies to plot alignment only"),
     (["plot", "alignment", "{sp_ok}", "--steps", "a,b"], "--steps must be"),
+    (["plot", "alignment", "{sp_ok}", "--steps", "45", "--window", "10"],  # its window held steps 36-40 only
+     "no gradient records at step 45 (the run has steps 1–40)"),
     (["plot", "sweep", "{sp_noevals}"], "none of the runs has accuracy evaluations"),
     (["table", "{sp_ok}", "{tmp}/missing.h5"], "missing.h5: no such file"),
     (["plot", "cliffs", "{sp_ok}", "--metric", "peak"], "--metric applies to plot sweep only"),

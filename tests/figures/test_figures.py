@@ -353,6 +353,17 @@ def test_table(runs):
         format_table(df, "html")
 
 
+def test_roles_outside_the_workflows_get_distinct_colours_in_a_figure(runs):
+    """'actor' and 'critic' hash to the same spare colour (the aggregator's): one figure drew both in it."""
+    assert role_color("actor") == role_color("critic") == role_color("aggregator")
+    base = data.load(runs["sp_ok"])[0]
+    s = replace(base, agent_roles=["actor", "actor", "actor", "critic"])
+    ax = panels(cliff_figure(s), "grad_norm")[0]
+    lines = {ln.get_label(): to_hex(ln.get_color()) for ln in ax.lines if ln.get_label() in ("actor", "critic")}
+    assert set(lines) == {"actor", "critic"} and len(set(lines.values())) == 2
+    assert lines["actor"] == role_color("actor")   # the name's own colour, the other moved on
+
+
 def test_a_setting_named_like_a_table_column_keeps_its_values(runs):
     """A config key `n` (4, 4, 8) was overwritten by the run count in --over tables (CSV `n,n` with the
     count twice; Markdown raised TypeError); `run` (verl's run-file path) is where a run was written, no cell."""

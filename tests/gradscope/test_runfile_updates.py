@@ -134,4 +134,7 @@ def test_info_shows_update_attribution(tmp_path: Path) -> None:
     text = render_info(path)
     assert "split by role into voter, aggregator, unattributed, weight_decay" in text
     assert f"update shares: voter {u.gram[0].sum() / u.gram.sum():.2f}" in text
+    shares = [u.gram[c].sum() / u.gram.sum() for c in range(4)]  # every component's, summing to 1
+    assert text.split("update shares: ")[1].split("\n")[0] == ", ".join(
+        f"{c} {v:.2f}" for c, v in zip(["voter", "aggregator", "unattributed", "weight_decay"], shares))
     assert "(no update attribution)" in render_info(write_random_run(tmp_path / "p.h5", n=2) and tmp_path / "p.h5")
