@@ -28,17 +28,22 @@ MORE_COMPLETE = [
     ("50%", "50"),                                            # percentages
     (r"50\%", "50"),
     (r"25\%", r"\frac{1}{4}"),
-    (r"\$1,234.50", "1234.5"),                                # thousands separators
-    ("1,234,567 dollars", "1234567"),
+    ("1,234,567 dollars", "1234567"),                         # thousands separators, words after the number
     ("x=3", "3"),
     ("10^{3}", "1000"),
     ("3, 4", "4, 3"),
 ]
 # equal under both (the exact path keeps them)
-BOTH = [("042", "42"), ("1,234", "1234"), ("0.5", r"\frac{1}{2}"), (r"\boxed{\frac{1}{2}}", "1/2"), ("2.50", "2.5")]
+BOTH = [("042", "42"), ("1,234", "1234"), ("0.5", r"\frac{1}{2}"), (r"\boxed{\frac{1}{2}}", "1/2"), ("2.50", "2.5"),
+        (r"\$1,234.50", "1234.5")]
 # never equal
 WRONG = [("0.33", r"\frac{1}{3}"), ("1,235", "1234"), (r"\frac{1}{3}", r"\frac{1}{2}"), ("51%", "50"), ("5 cm", "6"),
-         (r"\sqrt{2}", r"\sqrt{3}"), ("x=4", "3"), ("", "3"), (None, "3"), ("3", None), (r"\boxed{2}", r"\boxed{3}")]
+         (r"\sqrt{2}", r"\sqrt{3}"), ("x=4", "3"), ("", "3"), (None, "3"), ("3", None), (r"\boxed{2}", r"\boxed{3}"),
+         # one number of an expression, read as plain text, paid a wrong answer (either side)
+         ("72x", "72"), ("72^{5}", "72"), (r"72\sqrt{2}", "72"), ("72!", "72"), ("3", r"3\sqrt{2}"), ("10", "10^{3}"),
+         ("2", "2x+3"), ("3", r"3\pi"), ("2", "2^{10}"),
+         # two guesses in one answer paid whichever was right
+         (r"71 \approx 72", "72"), (r"72 \text{ (or 71)}", "71"), ("72 xy 71", "71")]
 
 
 @pytest.mark.parametrize("pred, ref", MORE_COMPLETE)
@@ -87,14 +92,14 @@ def test_other_threads_fall_back_to_the_exact_check() -> None:
     got: dict[str, bool] = {}
 
     def work() -> None:
-        got["units"] = answers_equivalent("7 cm", "7")
+        got["units"] = answers_equivalent(r"7\text{ cm}", "7")
         got["plain"] = answers_equivalent("1,000", "1000")
 
     t = threading.Thread(target=work)
     t.start()
     t.join(60)
     assert got == {"units": False, "plain": True}
-    assert answers_equivalent("7 cm", "7")  # and in the main thread, math-verify
+    assert answers_equivalent(r"7\text{ cm}", "7")  # and in the main thread, math-verify
 
 
 def test_numbers_are_compared_exactly():
@@ -120,3 +125,28 @@ def test_a_huge_number_is_neither_a_hang_nor_a_crash():
         assert not is_correct(task, answer)
     assert answers_match("9" * 5000, "0" + "9" * 5000) is False  # strings: no leading-zero normalising past 4300
     assert answers_match("9" * 5000, "9" * 5000)
+
+
+def test_references_are_checked_as_the_file_wrote_them(tmp_path: Path) -> None:
+    """Normalising the reference damaged it: '\\$18.90' became '\\18.90', a matrix's row break '\\\\ ' lost a
+    backslash, '\\frac{\\pi}{3} radians' ran together: right answers scored 0."""
+    path = tmp_path / "refs.jsonl"
+    rows = [{"question": "How much?", "answer": "So.\n#### \\$18.90"},
+            {"problem": "Which vector?", "solution": r"It is $\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}$."},
+            {"problem": "Which angle?", "solution": r"It is $\boxed{\frac{\pi}{3} \text{ radians}}$."}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    money, vector, angle = load_math_jsonl(path)
+    for output in (r"It costs \boxed{18.90} dollars.", "The answer is $18.90.", r"\boxed{18.9}"):
+        assert is_correct(money, output), output
+    assert not is_correct(money, r"\boxed{18.80}")
+    assert is_correct(vector, r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}")
+    assert not is_correct(vector, r"\boxed{\begin{pmatrix}2\\1\end{pmatrix}}")
+    assert is_correct(angle, r"\boxed{\frac{\pi}{3}}") and not is_correct(angle, r"\boxed{\frac{\pi}{4}}")
+
+
+def test_the_last_non_empty_box_is_the_answer() -> None:
+    from gradscope.trainers.tasks.math import extract_answer, extract_boxed
+
+    assert extract_boxed(r"\boxed{41} then \boxed{} 42") == "41" and extract_answer(r"\boxed{41}\boxed{}42") == "41"
+    assert extract_boxed(r"\boxed{1} \boxed{\frac{1}{2}} \boxed{") == r"\frac{1}{2}"
+    assert extract_boxed("\\boxed{" * 1000) is None

@@ -135,30 +135,35 @@ _ANSWER_RE = re.compile(r"\banswer\s*(?:is\s*:?|:|=)", re.IGNORECASE)
 
 
 def extract_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces kept; ``None`` if absent.
+    """The content of the last non-empty ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces kept; ``None``
+    if absent.
 
-    ``\\boxed 5`` (no braces) gives ``"5"``; an unclosed ``\\boxed{`` is ignored.
+    ``\\boxed 5`` (no braces) gives ``"5"``; an unclosed ``\\boxed{`` and an empty ``\\boxed{}`` are ignored.
     """
     best = None
+    closing = _matching_braces(text)
     for m in re.finditer(r"\\(?:boxed|fbox)\s*", text):
         i = m.end()
         if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                j += 1
-            if depth == 0 and j < len(text):
-                best = text[i + 1:j].strip()
+            if i in closing and text[i + 1:closing[i]].strip():  # an empty box answers nothing
+                best = text[i + 1:closing[i]].strip()
         else:
             tok = re.match(r"[^\s$]+", text[i:])
             if tok:
                 best = tok.group(0)
     return best
+
+
+def _matching_braces(text: str) -> dict[int, int]:
+    """{index of a '{': index of its matching '}'} for the braces of ``text`` that close, in one pass
+    (scanning on from every unclosed ``\\boxed{`` was quadratic: 5 s for 32,000 characters)."""
+    out, stack = {}, []
+    for j, ch in enumerate(text):
+        if ch == "{":
+            stack.append(j)
+        elif ch == "}" and stack:
+            out[stack.pop()] = j
+    return out
 
 
 def _first_token(s: str) -> str | None:
@@ -224,9 +229,9 @@ def normalise_answer(s: str | None, *, width: int | None = None) -> str:
         s = boxed
     s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", s)
     s = s.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\\[,!;: ]", "", s)
+    s = re.sub(r"(?<!\\)\\[,!;: ]", "", s)  # LaTeX spacing, not the '\\ ' of a row break
     s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("°", "")
-    s = s.replace("$", "")
+    s = s.replace("\\$", "").replace("$", "")  # a currency sign \$ whole, not its backslash left behind
     s = re.sub(r"\s+", "", s)
     s = s.rstrip(".")
     if _COMMA_NUM_RE.fullmatch(s):
@@ -301,6 +306,11 @@ def answers_match(pred: str | None, ref: str | None) -> bool:
 
 #: Seconds math-verify may spend on one parse or one comparison (its SIGALRM timeout).
 MATH_VERIFY_TIMEOUT_S = 2
+#: A predicted answer longer than this (characters) is not handed to math-verify (its parse and
+#: comparison of adversarial text take up to 2 s each); the exact comparison still applies.
+MAX_VERIFY_CHARS = 500
+#: Words after a number (``1,234,567 dollars``): the number is the answer.
+_WORDS_AFTER = re.compile(r"(?:\s+[A-Za-z]{2,})+\.?$")
 
 
 def answers_equivalent(pred: str | None, ref: str | None) -> bool:
@@ -309,21 +319,29 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
     :func:`answers_match` first (exact numbers, normalised strings); when that fails and either side
     is not a plain number, HF math-verify (``parse`` + ``verify``) decides: ``\\frac{\\sqrt{3}}{2}``
     = ``\\frac{\\sqrt3}{2}``, ``2\\sqrt{2}`` = ``\\sqrt{8}``, ``5 cm`` / ``5\\text{ cm}`` = ``5``,
-    ``50\\%`` = ``50`` = ``0.5``, ``\\$1,234.50`` = ``1234.5``, ``x=3`` = ``3``, ``10^{3}`` = ``1000``,
-    ``3, 4`` = ``4, 3`` (sets), ``(1,2)`` = ``(1, 2)`` (intervals). Each side is tried as LaTeX
-    (inside ``$…$``) and as plain text. math-verify's timeout is a SIGALRM alarm (it cancels one the
-    caller had set), which only the main thread can take: in another thread the comparison stops
-    at :func:`answers_match`. Results are cached.
+    ``50\\%`` = ``50`` and ``25\\%`` = ``\\frac{1}{4}`` (math-verify reads a percent both ways),
+    ``\\$1,234.50`` = ``1234.5``, ``1,234,567 dollars`` = ``1234567`` (words after a number dropped),
+    ``x=3`` = ``3``, ``10^{3}`` = ``1000``, ``3, 4`` = ``4, 3`` (sets), ``(1,2)`` = ``(1, 2)`` (intervals).
+    Each side is read as LaTeX (inside ``$…$``), and as plain text only when that finds nothing: a
+    plain-text read keeps one number of an expression (``72^{5}``, ``3\\sqrt{2}``, ``2x+3`` read as 72, 3,
+    2), which paid a wrong answer, or two guesses at once (``71 \\approx 72``). A prediction longer
+    than :data:`MAX_VERIFY_CHARS` is not handed to math-verify. math-verify's timeout is a SIGALRM
+    alarm (it cancels one the caller had set), which only the main thread can take: in another
+    thread the comparison stops at :func:`answers_match`. Results are cached.
     """
     if pred is None or ref is None:
         return False
+    pred, ref = str(pred).strip(), str(ref).strip()
+    number = _WORDS_AFTER.sub("", pred)
+    if number != pred and parse_number(number) is not None:
+        pred = number
     if answers_match(pred, ref):
         return True
     if parse_number(pred) is not None and parse_number(ref) is not None:
         return False  # two plain numbers: the exact comparison is the answer
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or len(pred) > MAX_VERIFY_CHARS:
         return False
-    return _verified(str(pred).strip(), str(ref).strip())
+    return _verified(pred, ref)
 
 
 @lru_cache(maxsize=65536)
@@ -331,8 +349,8 @@ def _verified(pred: str, ref: str) -> bool:
     from math_verify import parse, verify  # sympy + ANTLR: ~1 s to import, only for file tasks
 
     def parsed(text: str) -> list:
-        return [p for p in (parse(f"${text}$", parsing_timeout=MATH_VERIFY_TIMEOUT_S),
-                            parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)) if p]
+        latex = parse(f"${text}$", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        return [latex] if latex else [p for p in [parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)] if p]
 
     return any(verify(gold, guess, timeout_seconds=MATH_VERIFY_TIMEOUT_S)
                for gold in parsed(ref) for guess in parsed(pred))
@@ -342,8 +360,8 @@ def check_answer(task: Task, pred: str | None) -> bool:
     """Whether an extracted answer solves a math ``task``: GSM8K / MATH file tasks by
     :func:`answers_equivalent`; generated tasks (the testbed's arithmetic) by the exact
     :func:`answers_match` — an expression such as ``4+38`` is not an answer to ``17+25=``."""
-    if task.meta.get("format") in ("gsm8k", "math"):
-        return answers_equivalent(pred, task.answer)
+    if task.meta.get("format") in ("gsm8k", "math"):  # the reference as the file wrote it: for math-verify
+        return answers_equivalent(pred, task.meta.get("reference", task.answer))
     return answers_match(pred, task.answer)
 
 
@@ -434,10 +452,11 @@ def load_math_jsonl(path: str | Path) -> list[Task]:
                     if "####" not in solution:
                         fail(lineno, "GSM8K 'answer' has no '#### <answer>' line")
                     head, _, tail = solution.rpartition("####")
-                    answer = normalise_answer(tail.strip().split("\n", 1)[0])
+                    reference = tail.strip().split("\n", 1)[0].strip()
+                    answer = normalise_answer(reference)
                     if not answer:
                         fail(lineno, "GSM8K 'answer' has an empty '####' answer")
-                    meta = {"source": "gsm8k", "solution": head.strip()}
+                    meta = {"source": "gsm8k", "solution": head.strip(), "reference": reference}
                 elif "problem" in record:
                     kind = "math"
                     prompt, solution = record.get("problem"), record.get("solution")
@@ -445,15 +464,17 @@ def load_math_jsonl(path: str | Path) -> list[Task]:
                         fail(lineno, "MATH record needs a string field 'problem'")
                     given = record.get("answer")
                     if isinstance(given, str) and given.strip():
-                        answer = normalise_answer(given)
+                        reference = given.strip()
                     else:
                         if not isinstance(solution, str):
                             fail(lineno, "MATH record needs a string field 'solution' (or 'answer')")
                         boxed = extract_boxed(solution)
                         if not boxed:
                             fail(lineno, "MATH 'solution' has no \\boxed{...} answer")
-                        answer = normalise_answer(boxed)
-                    meta = {"source": "math", "solution": solution if isinstance(solution, str) else ""}
+                        reference = boxed
+                    answer = normalise_answer(reference)
+                    meta = {"source": "math", "solution": solution if isinstance(solution, str) else "",
+                            "reference": reference}
                     for key in ("type", "subject"):
                         if key in record:
                             meta[key] = record[key]

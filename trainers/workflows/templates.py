@@ -61,27 +61,37 @@ class Templates:
 
 
 # ------------------------------------------------------------------ parsers: (value, format_valid)
+_THINKING = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
+
+
+def without_thinking(text: str) -> str:
+    """``text`` without ``<think>…</think>`` blocks (an unclosed one runs to the end): a reasoning
+    model's deliberation ("compare 1 and 3") is not its pick, verdict or plan."""
+    return _THINKING.sub("", text)
+
+
 def parse_pick(text: str, n_candidates: int) -> tuple[int | None, bool]:
-    """0-based index of the picked candidate: the first digit 1..n in the output."""
-    match = re.search(r"\d", text)
+    """0-based index of the picked candidate: the first digit of the output (outside ``<think>``),
+    valid when it is 1..n."""
+    match = re.search(r"\d", without_thinking(text))
     if match and 1 <= int(match.group()) <= n_candidates:
         return int(match.group()) - 1, True
     return None, False
 
 
 def parse_verdict(text: str) -> tuple[bool | None, bool]:
-    """True for 'Correct', False for 'Incorrect' (checked first: it contains 'correct')."""
-    head = text.strip().lower()
-    if head.startswith("incorrect"):
-        return False, True
-    if head.startswith("correct"):
-        return True, True
-    return None, False
+    """True for 'Correct', False for 'Incorrect': the output's first word (outside ``<think>``, after
+    any punctuation such as ``**``), whole ('Correctness …' and 'Correctly …' are no verdict)."""
+    match = re.match(r"\W*(incorrect|correct)\b", without_thinking(text).strip().lower())
+    if match is None:
+        return None, False
+    return match.group(1) == "correct", True
 
 
 def parse_plan(text: str, max_strategies: int = 3) -> tuple[list[str], bool]:
-    """Up to ``max_strategies`` strategies separated by '|' or newlines; valid if 1..max given."""
-    parts = [p.strip() for p in re.split(r"[|\n]", text) if p.strip()]
+    """Up to ``max_strategies`` strategies separated by '|' or newlines (outside ``<think>``); valid if
+    1..max given."""
+    parts = [p.strip() for p in re.split(r"[|\n]", without_thinking(text)) if p.strip()]
     return parts[:max_strategies], 1 <= len(parts) <= max_strategies
 
 
