@@ -83,7 +83,7 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
         raise ConfigError("--log-dir is the folder of the --log-to dashboards, and --log-to names none")
     writer = os.environ.get("RANK", "0") == "0"  # global rank 0 alone writes: other nodes may not see its folders
     for name in sinks if writer else ():  # a missing extra or an unusable --log-dir before the run file exists
-        check_sink(name, log_folder(cfg) / name)
+        check_sink(name, log_folder(cfg) / name, new=not cfg.resume)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
     for name in PER_ROLE:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gradscope.errors import GradscopeError
 from gradscope.integrations.scalars import DashboardNames, finite_items, step_scalars
-from gradscope.integrations.sinks import EVENTS_TAG, FINDINGS_TAG, event_line, open_sink, parse_sinks
+from gradscope.integrations.sinks import EVENTS_TAG, FINDINGS_TAG, check_sink, event_line, open_sink, parse_sinks
 from gradscope.runfile import open_run
 
 
@@ -27,6 +27,7 @@ def export_run(path: str | os.PathLike[str], to: str, dest: str | os.PathLike[st
         GradscopeError: ``dest`` cannot be written.
     """
     (to,) = parse_sinks([to])
+    check_sink(to, dest)
     scalars: dict[int, dict[str, float]] = defaultdict(dict)
     texts: dict[int, list[str]] = defaultdict(list)
     with open_run(path) as run:

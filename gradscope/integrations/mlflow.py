@@ -51,9 +51,10 @@ def tracking_uri(dest: str) -> tuple[str, str | None]:
     return f"sqlite:///{folder / 'mlflow.db'}", (folder / "artifacts").as_uri()
 
 
-def check(dest: str) -> None:
+def check(dest: str, *, new: bool = True) -> None:
     """ConfigError for what can be told of the store at ``dest`` before it is opened (nothing is
-    created): a folder that cannot be created, a database store without SQLAlchemy or Alembic."""
+    created): a folder that cannot be created, a database store without SQLAlchemy or Alembic. ``new``
+    makes no difference: every run is an MLflow run of its own."""
     if not is_uri(dest):
         check_folder("mlflow", dest)
     uri, _ = tracking_uri(dest)

@@ -68,11 +68,12 @@ def open_sink(name: str, dest: str | os.PathLike[str], *, run_name: str, config:
         raise GradscopeError(f"cannot write {name} output to {dest}: {exc.strerror or exc}") from None
 
 
-def check_sink(name: str, dest: str | os.PathLike[str]) -> None:
+def check_sink(name: str, dest: str | os.PathLike[str], *, new: bool = True) -> None:
     """What can be checked of sink ``name`` at ``dest`` before anything is written, creating nothing:
-    ConfigError for an unknown sink, a missing library or dependency (naming the extra), or a
-    ``dest`` that cannot become a folder."""
-    sink_module(name).check(os.fspath(dest))
+    ConfigError for an unknown sink, a missing library or dependency (naming the extra), a ``dest``
+    that cannot become a folder, or (``new``: not a resumed run) one holding another run's TensorBoard
+    event files."""
+    sink_module(name).check(os.fspath(dest), new=new)
 
 
 def check_folder(name: str, dest: str) -> None:

@@ -6,11 +6,13 @@ directory (``tensorboard --logdir DEST``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import tensorboard  # noqa: F401  (fail here, with the package's name, when it is missing)
 from torch.utils.tensorboard import SummaryWriter
 
+from gradscope.errors import ConfigError
 from gradscope.integrations.sinks import Sink, check_folder
 
 
@@ -32,9 +34,13 @@ class TensorBoardSink(Sink):
         self._writer.close()
 
 
-def check(dest: str) -> None:
-    """ConfigError unless ``dest`` can be the log directory (nothing is created)."""
+def check(dest: str, *, new: bool = True) -> None:
+    """ConfigError unless ``dest`` can be the log directory (nothing is created). A new run's (``new``)
+    must hold no event files yet: TensorBoard would draw theirs and its values as one series."""
     check_folder("tensorboard", dest)
+    if new and any(Path(dest).glob("events.out.tfevents.*")):
+        raise ConfigError(f"{dest} already holds TensorBoard event files (TensorBoard would draw them and "
+                          f"this run's as one series): give an empty or new folder")
 
 
 def open_sink(dest: str, *, run_name: str, config: Mapping[str, Any]) -> TensorBoardSink:

@@ -50,8 +50,9 @@ class WandbSink(Sink):
             wandb.teardown()
 
 
-def check(dest: str) -> None:
-    """ConfigError unless ``dest`` can be the run's folder (nothing is created)."""
+def check(dest: str, *, new: bool = True) -> None:
+    """ConfigError unless ``dest`` can be the run's folder (nothing is created); ``new`` makes no
+    difference: every run is a W&B run of its own."""
     check_folder("wandb", dest)
 
 

@@ -66,6 +66,17 @@ def test_export_tensorboard(ip_run, tmp_path, capsys):
     assert "cliff" in next(iter(texts["gradscope/findings"].values()))
 
 
+def test_a_second_tensorboard_export_into_one_folder_is_refused(ip_run, tmp_path, capsys):
+    """TensorBoard draws a folder's event files as one run: a second export put every point there twice."""
+    _export(ip_run, "tensorboard", tmp_path, capsys)
+    files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert main(["export", str(ip_run), "--to", "tensorboard", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"gradscope: error: {tmp_path} already holds TensorBoard event files (TensorBoard would draw "
+                   f"them and this run's as one series): give an empty or new folder")
+    assert sorted(tmp_path.glob("events.out.tfevents.*")) == files
+
+
 def test_a_metric_named_like_a_statistic_never_replaces_it(ip_run, tmp_path, capsys):
     """TRL logs its own ``grad_norm``: exported beside the statistic as gradscope/metric/grad_norm."""
     import shutil
