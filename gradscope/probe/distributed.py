@@ -64,12 +64,13 @@ def check_same_setup(group: dist.ProcessGroup, setup: dict[str, int | str | Sequ
     """Raise the same ProbeError on every rank unless all ranks built the probe alike.
 
     ``setup`` maps a description to a number or to strings (compared by checksum), e.g. the
-    agents, the probed parameter names, the sketch size. Two collectives (max and min).
+    agents, the probed parameter names, the sketch size. One collective (the maximum of the values
+    and of their negations: their maximum and minimum).
     """
     names = list(setup)
     values = [_as_int(setup[n]) for n in names]
-    hi = all_reduce_max(values, group)
-    lo = [-v for v in all_reduce_max([-v for v in values], group)]
+    both = all_reduce_max(values + [-v for v in values], group)
+    hi, lo = both[:len(values)], [-v for v in both[len(values):]]
     differ = [n for n, a, b in zip(names, hi, lo) if a != b]
     if differ:
         raise ProbeError(f"the ranks built their probes differently ({', '.join(differ)} differ); every rank "

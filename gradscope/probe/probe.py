@@ -45,7 +45,7 @@ from gradscope.probe.layers import find_layers
 from gradscope.probe.method import GramMethod, token_terms
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
-from gradscope.probe.store import FlatStore, Store
+from gradscope.probe.store import FlatStore, Store, accumulation_dtype
 from gradscope.probe.updates import UNITS, UpdateAttribution, UpdateResult
 from gradscope.runfile.schema import PROBE_METHODS
 
@@ -163,8 +163,9 @@ class Probe:
         params_only = [p for _, p in named]
         if self.process_group is not None:
             check_same_setup(self.process_group, {
-                "agents": self.agents, "parameter names": self.param_names, "groups": self.groups,
-                "parameter sizes": [str(p.shape) for p in params_only], "method": self.method_name,
+                "agents": self.agents, "roles": self.agent_roles, "parameter names": self.param_names,
+                "groups": self.groups, "parameter sizes": [str(p.shape) for p in params_only],
+                "accumulation dtype": str(accumulation_dtype(params_only)), "method": self.method_name,
                 "sketch": str(self.sketch), "grad_reduced": str(bool(grad_reduced)),
                 "check_every": str(check_every)})
         store: Store | None = None
@@ -208,6 +209,8 @@ class Probe:
             raise ProbeError("a probed step is already open; steps cannot nest")
         self._open = True
         handle = self._current = ProbeStep(self, step, policy)
+        if self.process_group is not None:
+            self._check_same_attachments()
         if self._updates is not None:
             self._updates.begin()
         self._method.begin()
@@ -249,6 +252,17 @@ class Probe:
         elif unit != self._updates.unit:
             raise ProbeError(f"updates are already split by {self._updates.unit}; cannot also split by {unit}")
         self._updates.attach(optimizer)
+
+    def _check_same_attachments(self) -> None:
+        """Every rank must have attached the same optimizers (their collectives differ otherwise): one
+        all-reduce of two integers per step under several ranks, the same ProbeError on every rank if not."""
+        attached = "" if self._updates is None else f"{self._updates.unit}:{len(self._updates.trackers)}"
+        try:
+            check_same_setup(self.process_group, {"attached optimizers": attached})
+        except ProbeError:
+            self._open, self._current = False, None
+            raise ProbeError("the ranks attached optimizers differently (Probe.attach): every rank must attach "
+                             "the same optimizers, by the same unit, before the same step") from None
 
     @property
     def last_update(self) -> UpdateResult | None:

@@ -60,6 +60,25 @@ def main(out_dir: str) -> None:
         out["mismatch"] = np.array("")
     except ProbeError as e:
         out["mismatch"] = np.array(str(e))
+    # ... also on the roles and the accumulation dtype (a gloo abort at the first step's end, or each rank
+    # its own split of the update); optimizers attached on one rank only: refused at the next step.
+    for name, model, roles in (("roles", make_mlp(), ROLES if rank == 0 else dict.fromkeys(ROLES, "one")),
+                               ("dtype", make_mlp().to(torch.float64 if rank == 0 else torch.float32), ROLES)):
+        try:
+            Probe(model, AGENTS, roles)
+            out[f"mismatch-{name}"] = np.array("")
+        except ProbeError as e:
+            out[f"mismatch-{name}"] = np.array(str(e))
+    model = make_mlp()
+    probe = Probe(model, AGENTS, ROLES, method="split")
+    if rank == 0:
+        probe.attach(torch.optim.AdamW(model.parameters()))
+    try:
+        with probe.step(0):
+            pass
+        out["mismatch-attach"] = np.array("")
+    except ProbeError as e:
+        out["mismatch-attach"] = np.array(str(e))
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **out)
     dist.destroy_process_group()
 

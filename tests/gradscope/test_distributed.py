@@ -85,4 +85,8 @@ def test_explicit_group_and_refused_mismatch(ranks):
     name = case_name(CASES[0])
     for rank in ranks:
         np.testing.assert_allclose(rank["explicit-group/gram"], rank[f"{name}/gram"], rtol=1e-12)
-        assert "ranks built their probes differently (agents differ)" in str(rank["mismatch"])
+        assert "ranks built their probes differently (agents, roles differ)" in str(rank["mismatch"])
+        assert "ranks built their probes differently (roles differ)" in str(rank["mismatch-roles"])
+        assert "ranks built their probes differently (accumulation dtype differ)" in str(rank["mismatch-dtype"])
+        assert str(rank["mismatch-attach"]) == ("the ranks attached optimizers differently (Probe.attach): every rank "
+                                                "must attach the same optimizers, by the same unit, before the same step")
