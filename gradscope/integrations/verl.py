@@ -92,8 +92,10 @@ class VerlSettings:
     flush_every: int = 10
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> VerlSettings:
-        """Validated settings; :class:`ConfigError` (one line) naming a bad or unknown key."""
+    def from_mapping(cls, values: Mapping[str, Any], *, rules: bool = True) -> VerlSettings:
+        """Validated settings; :class:`ConfigError` (one line) naming a bad or unknown key. ``rules=False``
+        leaves the alert rules (and their file) to the probe's first update, where an error on any rank
+        stops every rank alike."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(names))
         if unknown:
@@ -103,15 +105,17 @@ class VerlSettings:
             default = names[key].default if names[key].default is not dataclasses.MISSING else names[key].default_factory()
             kwargs[key] = _coerce(key, value, type(default))
         settings = cls(**kwargs)
-        settings.check()
+        settings.check(rules=rules)
         return settings
 
-    def check(self) -> None:
+    def check(self, rules: bool = True) -> None:
         if self.enabled and not self.run:
             raise ConfigError("gradscope.run: give the run file to write (e.g. gradscope.run=/shared/run.h5)")
         for key in ("policy", "agent_field"):  # an empty name would match no field / name no policy
             if not getattr(self, key):
                 raise ConfigError(f"gradscope.{key} must not be empty (default {getattr(VerlSettings, key)!r})")
+        if self.policy == "all":
+            raise ConfigError("gradscope.policy must not be 'all' (analyses name the untagged records' set so)")
         if self.groups not in ("", "layer", "adapter"):
             raise ConfigError(f"gradscope.groups must be '', 'layer' or 'adapter', got {self.groups!r}")
         if self.sketch < 0 or self.flush_every < 1:
@@ -122,7 +126,8 @@ class VerlSettings:
         if comma is not None:  # "voter0,voter1" given as a string is one name: never what was meant
             raise ConfigError(f"gradscope.agents: {comma!r} is one name with a comma; give a list, "
                               f"gradscope.agents=[{comma}]")
-        collect_rules(self.alert, self.alerts or None, self.default_alerts)  # a bad rule fails here, once
+        if rules:  # a bad rule fails here, once
+            collect_rules(self.alert, self.alerts or None, self.default_alerts)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -171,7 +176,8 @@ class VerlProbe:
     """
 
     def __init__(self, engine: Any, settings: VerlSettings, echo: Callable[[str], object] | None = None) -> None:
-        settings = VerlSettings.from_mapping(dataclasses.asdict(settings))  # coerced and checked, as from the config
+        # coerced and checked as from the config; the rules at the first update (a rank's node may lack their file)
+        settings = VerlSettings.from_mapping(dataclasses.asdict(settings), rules=False)
         self.engine, self.settings, self.echo = engine, settings, echo
         if getattr(engine, "scaler", None) is not None:
             raise ConfigError("gradscope: fp16 loss scaling is not supported by the verl hook; use bf16 or fp32")
@@ -332,14 +338,18 @@ class VerlProbe:
             raise ConfigError(f"gradscope: {unnamed} of {len(agents)} rows have no agent in {s.agent_field!r} "
                               f"(None, empty or NaN); every row the actor trains on needs one")
         roles = _field(data, s.role_field)
-        return [str(a) for a in agents], None if roles is None else [str(r) for r in roles]
+        agents, roles = [str(a) for a in agents], None if roles is None else [str(r) for r in roles]
+        piped = sorted({n for n in agents + (roles or []) if "|" in n})
+        if piped:  # the run file's pair columns (cos/<A>|<B>) would be ambiguous
+            raise ConfigError(f"gradscope: agent and role names must not contain '|': {piped}")
+        return agents, roles
 
     def _unknown_agents(self, data: Any) -> str | None:
         """This rank's reason to stop before a step: rows without an agent, or of an agent the Gram lacks."""
         try:
             agents, _ = self._row_agents(data)
-        except ConfigError as exc:
-            return str(exc)
+        except Exception as exc:  # noqa: BLE001 (returned, to stop every rank alike)
+            return _one_line(exc)
         unknown = sorted(set(agents) - set(self.probe.agents))
         if unknown:
             return (f"gradscope: rows of agents {unknown} first seen after the first update; the Gram's agents are "
@@ -361,8 +371,8 @@ class VerlProbe:
         error = None
         try:
             agents, roles = self._row_agents(data)
-        except ConfigError as exc:
-            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 (whatever one rank raises, every rank stops with it)
+            error = _one_line(exc)
         self._agree(error)
         role_of = dict(s.roles)
         pairs = [list(zip(agents, roles or [role_of.get(a, a) for a in agents]))]
@@ -384,12 +394,18 @@ class VerlProbe:
                            method="hooks", grad_reduced=self.group is not None,
                            process_group=self.group if self.group is not None else False)
         agent_roles = [roles_of[a] for a in order]
-        rules = collect_rules(s.alert, s.alerts or None, s.default_alerts)
-        error = None
+        # Whatever fails on one rank only (the alerts file on its node, rank 0's run file) stops every rank
+        # alike: the rules are read and checked against the run's roles and agents on every rank before
+        # rank 0 creates the run file.
+        error, rules = None, []
         try:
-            # On every rank, before the run file exists: a rule naming a role or agent the run lacks.
+            rules = collect_rules(s.alert, s.alerts or None, s.default_alerts)
             check_selectors(rules, order, agent_roles, [s.policy])
-            if self.is_main:
+        except Exception as exc:  # noqa: BLE001
+            error = _one_line(exc)
+        self._agree(error)
+        if self.is_main:
+            try:
                 meta = RunMeta(agents=order, agent_roles=agent_roles, policies=[s.policy],
                                groups=self.probe.groups if s.groups else [],
                                group_sizes=self.probe.group_sizes if s.groups else [],
@@ -400,8 +416,8 @@ class VerlProbe:
                 self.monitor = Monitor(rules, order, agent_roles, policies=[s.policy], writer=self.writer,
                                        checkpoint=self._request_checkpoint, stop=self._request_stop,
                                        **({"echo": self.echo} if self.echo else {}))
-        except GradscopeError as exc:
-            error = " ".join(str(exc).split())
+            except Exception as exc:  # noqa: BLE001
+                error = _one_line(exc)
         self._agree(error)
 
     def _request_checkpoint(self, alert: Alert) -> None:
@@ -473,6 +489,12 @@ class VerlProbe:
         self._handle.remove()
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: gradscope's own as their message, others with their type."""
+    text = str(exc) if isinstance(exc, GradscopeError) else f"gradscope: {type(exc).__name__}: {exc}"
+    return " ".join(text.split())
+
+
 def _as_list(values: Any) -> list:
     return values.tolist() if hasattr(values, "tolist") else list(values)
 
@@ -522,7 +544,7 @@ def settings_from_env() -> VerlSettings | None:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{SETTINGS_ENV} is not JSON: {exc}") from None
-    settings = VerlSettings.from_mapping(values)
+    settings = VerlSettings.from_mapping(values, rules=False)  # the launcher read them; a worker's node may not
     if settings.enabled and not Path(settings.run).is_absolute():  # each Ray worker has its own directory
         raise ConfigError(f"{SETTINGS_ENV}: gradscope.run must be an absolute path, got {settings.run!r}")
     return settings

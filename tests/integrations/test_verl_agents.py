@@ -63,6 +63,7 @@ def test_agents_given_as_one_string_with_commas_are_refused():
     ({"agent_field": ""}, "gradscope.agent_field must not be empty (default 'agent_name')"),
     ({"roles": {"a": {"b": "c"}}}, "gradscope.roles must be a mapping of names to names, got {'a': {'b': 'c'}}"),
     ({"agents": ["a", ["b"]]}, "gradscope.agents must be a list of names, got ['a', ['b']]"),
+    ({"policy": "all"}, "gradscope.policy must not be 'all' (analyses name the untagged records' set so)"),
 ])
 def test_settings_that_would_be_stringified_or_empty_are_refused(values, message):
     with pytest.raises(ConfigError) as err:
@@ -92,6 +93,12 @@ def test_rows_without_an_agent_are_refused(tmp_path):
     assert str(err.value) == ("gradscope: 2 of 6 rows have no agent in 'agent_name' (None, empty or NaN); "
                               "every row the actor trains on needs one")
     assert not (tmp_path / "run.h5").exists()
+
+
+def test_names_with_the_pair_separator_are_refused(tmp_path):
+    """Rank 0's run file refused them (ValueError) after the other ranks had moved on: refused with the rows."""
+    with pytest.raises(ConfigError, match=r"must not contain '\|': \['v\|0'\]"):
+        build(tmp_path, {"agent_name": ["v|0", "v1"]})
 
 
 def test_agents_are_read_from_the_extra_fields_column(tmp_path, monkeypatch):
@@ -139,13 +146,19 @@ def test_settings_handed_to_workers_need_an_absolute_run_path(monkeypatch):
     assert str(err.value) == "GRADSCOPE_VERL: gradscope.run must be an absolute path, got 'runs/run.h5'"
 
 
-def _rank(rank: int, init: str, run: str, queue) -> None:
+def _rank(rank: int, init: str, run: str, queue, case: str) -> None:
+    import datetime
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
-        agents = ["voter0", "voter1"] if rank == 0 else ["voter0", None]
-        VerlProbe(Engine(), VerlSettings(run=run))._build({"agent_name": agents})
+        agents, settings = ["voter0", "voter1"], VerlSettings(run=run)
+        if case == "rows" and rank == 1:
+            agents = ["voter0", None]
+        if case == "alerts":  # the alerts file is on rank 0's node only
+            settings.alerts = run + (".alerts.yaml" if rank == 0 else ".missing.yaml")
+        VerlProbe(Engine(), settings)._build({"agent_name": agents})
         queue.put((rank, "built"))
     except ConfigError as exc:
         queue.put((rank, str(exc)))
@@ -153,21 +166,26 @@ def _rank(rank: int, init: str, run: str, queue) -> None:
         dist.destroy_process_group()
 
 
-def test_an_error_on_one_rank_stops_every_rank(tmp_path):
-    """Rank 1's rows lack an agent; rank 0's are fine: both raise the same one-line error (was: rank 1
-    raised while rank 0 waited in the collective until its timeout)."""
+@pytest.mark.parametrize("case", ["rows", "alerts"])
+def test_an_error_on_one_rank_stops_every_rank(tmp_path, case):
+    """Rank 1's rows lack an agent, or its node lacks the alerts file; rank 0 is fine: both raise the same
+    one-line error, and no run file is made (was: rank 1 raised while rank 0 waited in the collective until
+    its timeout)."""
     import multiprocessing as mp
 
+    run = tmp_path / "run.h5"
+    (tmp_path / "run.h5.alerts.yaml").write_text("- 'grad_norm[voter0] > 100: warn'\n")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path}/store"
-    procs = [ctx.Process(target=_rank, args=(r, init, str(tmp_path / "run.h5"), queue)) for r in (0, 1)]
+    procs = [ctx.Process(target=_rank, args=(r, init, str(run), queue, case)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
     outcome = dict(queue.get(timeout=5) for _ in procs)
-    message = ("gradscope: 1 of 2 rows have no agent in 'agent_name' (None, empty or NaN); every row the actor "
-               "trains on needs one")
-    assert outcome == {0: message, 1: message}
-    assert not (tmp_path / "run.h5").exists()
+    message = {"rows": "gradscope: 1 of 2 rows have no agent in 'agent_name' (None, empty or NaN); every row the "
+                       "actor trains on needs one",
+               "alerts": f"cannot read alert file {run}.missing.yaml: No such file or directory"}[case]
+    assert outcome[0] == outcome[1] and outcome[0].startswith(message), outcome
+    assert not run.exists()
