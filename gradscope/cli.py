@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 from collections.abc import Sequence
 
 from gradscope import __version__
@@ -112,7 +113,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
           f"{len(outcome.failed)} failed")
     for name, log in outcome.failed.items():
         print(f"  failed: {name} (log: {log})")
-    if len(outcome.done) > len(outcome.skipped):  # a cell finished now: else an earlier report stays as it was
+    # a cell finished now, or no report yet (an earlier invocation died before writing it): else it stays as it was
+    if len(outcome.done) > len(outcome.skipped) or (outcome.done and not (Path(folder) / "table.md").exists()):
         for path in write_report(folder):
             print(path)
     return 1 if outcome.failed else 0
@@ -160,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="machine-readable report (docs/detectors.md); without --json or --md: text")
     fmt.add_argument("--md", action="store_true", help="Markdown report; without --json or --md: text")
-    p.add_argument("--fail-on", default="", help="exit 1 if any of these kinds is found: amplification,capture,cliff (without it: exit 0 whatever is found)")
+    p.add_argument("--fail-on", default="", help="exit 1 if any of these kinds is found with severity warning or critical: amplification,capture,cliff (info findings never fail; without it: exit 0 whatever is found)")
     p.add_argument("--max-findings", type=int, default=5, metavar="N",
                    help="text and Markdown show at most N findings per kind (JSON: all)")
     add_threshold_arguments(p)

@@ -28,7 +28,9 @@ MORE_COMPLETE = [
     ("50%", "50"),                                            # percentages
     (r"50\%", "50"),
     (r"25\%", r"\frac{1}{4}"),
-    ("1,234,567 dollars", "1234567"),                         # thousands separators, words after the number
+    ("1,234,567 dollars", "1234567"),                         # thousands separators, unit words after the number
+    ("7 km/h", "7"), ("12 m/s", "12"), ("5 cm^2", "5"), ("3 m^3", "3"), (r"\frac{1}{2} m/s", r"\frac12"),
+    (r"36\pi cm^2", r"36\pi"), ("2 pi", r"2\pi"),
     ("x=3", "3"),
     ("10^{3}", "1000"),
     ("3, 4", "4, 3"),
@@ -43,7 +45,10 @@ WRONG = [("0.33", r"\frac{1}{3}"), ("1,235", "1234"), (r"\frac{1}{3}", r"\frac{1
          ("72x", "72"), ("72^{5}", "72"), (r"72\sqrt{2}", "72"), ("72!", "72"), ("3", r"3\sqrt{2}"), ("10", "10^{3}"),
          ("2", "2x+3"), ("3", r"3\pi"), ("2", "2^{10}"),
          # two guesses in one answer paid whichever was right
-         (r"71 \approx 72", "72"), (r"72 \text{ (or 71)}", "71"), ("72 xy 71", "71")]
+         (r"71 \approx 72", "72"), (r"72 \text{ (or 71)}", "71"), ("72 xy 71", "71"), ("7 or eight", "7"), ("7 or 8", "8"),
+         # words after a number that change it are no unit
+         ("7 thousand", "7"), ("3 squared", "3"), ("12 minus three", "12"), ("5 is not right", "5"), ("2 dozen", "2"),
+         ("72 x", "72")]
 
 
 @pytest.mark.parametrize("pred, ref", MORE_COMPLETE)

@@ -191,7 +191,7 @@ _FORCE_FALLBACK = {
     _fake_done()
     os._exit(0)
 ''',
-    # an ordinary return, as deep as the sender allows a reply's value to be
+    # an ordinary return, as deep as the sender allows a reply's value to be (100 containers)
     "deepest return": '''    if __name__ != "__main__":
         v = []
         for _ in range(99):
@@ -211,7 +211,7 @@ def test_a_candidate_cannot_send_the_check_to_the_in_process_harness(name):
     assert fooled.verdict == "pass", fooled  # the completion fools the in-process harness
     r = check_program(prompt, _FORCE_FALLBACK[name], _ROUND_TRIP, "f")
     assert r.harness == "split" and r.verdict == "fail", r
-    if name == "deepest return":  # 99 containers deep: it crosses both ways; 5 != that list
+    if name == "deepest return":  # 100 containers deep: it crosses both ways; 5 != that list
         assert r.reason == "assertion failed", r
     else:
         assert r.reason.startswith("a test passes the candidate a value nested deeper than 100 containers"), r

@@ -202,6 +202,9 @@ def test_tiny_sweep_killed_midway_resumes_without_redoing_finished_runs(tmp_path
     stdout, stderr = _sweep(config, out).communicate(timeout=300)
     assert stdout.strip() == "sweep: 8 runs finished (8 before this invocation), 0 failed", stderr
     assert (out / "summary.csv").stat().st_mtime_ns == written
+    (out / "table.md").unlink()  # ... unless there is none (an invocation died before writing it)
+    stdout, stderr = _sweep(config, out).communicate(timeout=300)
+    assert str(out / "table.md") in stdout.splitlines() and (out / "table.md").exists(), stderr
 
 
 def test_a_sweep_started_with_sigint_ignored_still_stops_on_it(tmp_path):

@@ -309,8 +309,17 @@ MATH_VERIFY_TIMEOUT_S = 2
 #: A predicted answer longer than this (characters) is not handed to math-verify (its parse and
 #: comparison of adversarial text take up to 2 s each); the exact comparison still applies.
 MAX_VERIFY_CHARS = 500
-#: Words after a number (``1,234,567 dollars``): the number is the answer.
-_WORDS_AFTER = re.compile(r"(?:\s+[A-Za-z]{2,})+\.?$")
+#: Unit words after an answer (``1,234,567 dollars``, ``12 m/s``, ``5 cm^2``): the answer without them. A word
+#: of one letter only with a ``/`` or a power (``x`` may be a variable).
+_UNITS_AFTER = re.compile(r"(?:\s+(?:[A-Za-z]{2,12}|[A-Za-z](?=[/^²³]))(?:/[A-Za-z]{1,12})?(?:\^\{?\d\}?|[²³])?)+\.?$")
+#: Words that change what the number before them says (``7 or eight``, ``7 thousand``, ``3 squared``): never
+#: dropped as units; ``or`` anywhere makes a prediction two guesses, which never match.
+_NOT_UNITS = frozenset("""or and not but is are was more less fewer least most up to than plus minus times over
+    divided squared cubed mod choose factorial hundred thousand thousands million millions billion billions
+    trillion dozen dozens half halves third thirds quarter quarters percent pi zero one two three four five six
+    seven eight nine ten eleven twelve twenty thirty forty fifty hundredths tenths""".split())
+_OR = re.compile(r"(?<![\\A-Za-z])or(?![A-Za-z])", re.IGNORECASE)
+_PI_WORD = re.compile(r"(?<![\\A-Za-z])pi(?![A-Za-z])")
 
 
 def answers_equivalent(pred: str | None, ref: str | None) -> bool:
@@ -320,7 +329,8 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
     is not a plain number, HF math-verify (``parse`` + ``verify``) decides: ``\\frac{\\sqrt{3}}{2}``
     = ``\\frac{\\sqrt3}{2}``, ``2\\sqrt{2}`` = ``\\sqrt{8}``, ``5 cm`` / ``5\\text{ cm}`` = ``5``,
     ``50\\%`` = ``50`` and ``25\\%`` = ``\\frac{1}{4}`` (math-verify reads a percent both ways),
-    ``\\$1,234.50`` = ``1234.5``, ``1,234,567 dollars`` = ``1234567`` (words after a number dropped),
+    ``\\$1,234.50`` = ``1234.5``, ``1,234,567 dollars`` = ``1234567``, ``12 m/s`` = ``12`` (unit words after
+    an answer dropped; not words that change it, ``7 thousand``, ``3 squared``; an ``or`` never matches),
     ``x=3`` = ``3``, ``10^{3}`` = ``1000``, ``3, 4`` = ``4, 3`` (sets), ``(1,2)`` = ``(1, 2)`` (intervals).
     Each side is read as LaTeX (inside ``$…$``), and as plain text only when that finds nothing: a
     plain-text read keeps one number of an expression (``72^{5}``, ``3\\sqrt{2}``, ``2x+3`` read as 72, 3,
@@ -332,9 +342,12 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
     if pred is None or ref is None:
         return False
     pred, ref = str(pred).strip(), str(ref).strip()
-    number = _WORDS_AFTER.sub("", pred)
-    if number != pred and parse_number(number) is not None:
-        pred = number
+    if _OR.search(pred):  # "7 or 8": two guesses
+        return False
+    pred = _PI_WORD.sub(r"\\pi", pred)  # "2 pi" is 2π (a LaTeX reading makes it 2·p·i)
+    tail = _UNITS_AFTER.search(pred)
+    if tail and tail.start() > 0 and not {w.lower() for w in re.findall(r"[A-Za-z]+", tail.group())} & _NOT_UNITS:
+        pred = pred[:tail.start()].rstrip()
     if answers_match(pred, ref):
         return True
     if parse_number(pred) is not None and parse_number(ref) is not None:

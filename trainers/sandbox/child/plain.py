@@ -41,6 +41,10 @@ def _pack(x, depth):
         return x if x.bit_length() <= 64 else {"i": format(x, "x")}
     if t is float:
         return x
+    if t is bytes:
+        return {"b": x.hex()}
+    if t is complex:
+        return {"c": [x.real, x.imag]}
     if depth >= MAX_DEPTH:
         raise TooDeep("nested deeper than %d" % MAX_DEPTH)
     if t is list:
@@ -51,10 +55,6 @@ def _pack(x, depth):
         return {"d": [[_pack(k, depth + 1), _pack(v, depth + 1)] for k, v in x.items()]}
     if t is set or t is frozenset:
         return {"s" if t is set else "f": [_pack(v, depth + 1) for v in x]}
-    if t is bytes:
-        return {"b": x.hex()}
-    if t is complex:
-        return {"c": [x.real, x.imag]}
     raise NotPlain(t.__name__)
 
 
