@@ -13,6 +13,7 @@ from gradscope.trainers.workflows.templates import parse_pick, parse_plan, parse
     ("correctness is doubtful; wrong", (None, False)), ("Correctly computed but wrong sign: Incorrect", (None, False)),
     ("Not correct", (None, False)), ("", (None, False)),
     ("<think>Is it correct? No.</think>Incorrect", (False, True)), ("<think>Correct, I think", (None, False)),
+    ("Correct? Let me check.</think>Incorrect", (False, True)),  # the <think> was in the prompt
 ])
 def test_verdict_is_the_first_whole_word(text, expected):
     assert parse_verdict(text) == expected

@@ -65,9 +65,11 @@ _THINKING = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 
 
 def without_thinking(text: str) -> str:
-    """``text`` without ``<think>…</think>`` blocks (an unclosed one runs to the end): a reasoning
-    model's deliberation ("compare 1 and 3") is not its pick, verdict or plan."""
-    return _THINKING.sub("", text)
+    """``text`` without ``<think>…</think>`` blocks (an unclosed one runs to the end; a ``</think>``
+    whose ``<think>`` was in the prompt ends one that began with the text): a reasoning model's
+    deliberation ("compare 1 and 3") is not its pick, verdict or plan."""
+    text = _THINKING.sub("", text)
+    return text.rsplit("</think>", 1)[1] if "</think>" in text else text
 
 
 def parse_pick(text: str, n_candidates: int) -> tuple[int | None, bool]:
