@@ -17,6 +17,7 @@ from gradscope.trainers.sandbox import Limits, check_program
 from gradscope.trainers.tasks import check_answer, extract_answer, sandbox_args
 from gradscope.trainers.tasks.base import Task
 from gradscope.trainers.workflows.base import Episode
+from gradscope.trainers.workflows.templates import without_thinking
 
 
 def solver_answer(task: Task, text: str) -> tuple[str | None, bool]:
@@ -24,7 +25,9 @@ def solver_answer(task: Task, text: str) -> tuple[str | None, bool]:
 
     A code answer is the output without its trailing whitespace and leading blank lines: the indentation
     of its first line is kept, since a HumanEval completion is the function's body, indented to follow
-    the prompt (stripped, ``prompt + completion`` does not compile)."""
+    the prompt (stripped, ``prompt + completion`` does not compile). ``<think>…</think>`` blocks are no
+    answer (a boxed guess while thinking is not the stated one)."""
+    text = without_thinking(text)
     if task.kind == "math":
         answer = extract_answer(text)
         return answer, answer is not None

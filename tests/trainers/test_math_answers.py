@@ -48,7 +48,13 @@ WRONG = [("0.33", r"\frac{1}{3}"), ("1,235", "1234"), (r"\frac{1}{3}", r"\frac{1
          (r"71 \approx 72", "72"), (r"72 \text{ (or 71)}", "71"), ("72 xy 71", "71"), ("7 or eight", "7"), ("7 or 8", "8"),
          # words after a number that change it are no unit
          ("7 thousand", "7"), ("3 squared", "3"), ("12 minus three", "12"), ("5 is not right", "5"), ("2 dozen", "2"),
-         ("72 x", "72")]
+         ("72 x", "72"), ("Yes No", "Yes"),
+         # math-verify's own unit list dropped the reference's variables; its 6-decimal rounding paid approximations
+         ("4", "4ab"), ("2", "2m"), ("5", "5t"), ("x+5", "x+5t"), ("1.414214", r"\sqrt{2}"), ("3.141593", r"\pi"),
+         ("1.333333", r"1\frac{1}{3}"), ("0.25", r"25\%")]
+# right, with letters that are variables, not units (dropping them as units failed these)
+WITH_VARIABLES = [("x^2 + y^2", "x^2+y^2"), ("a^2 - b^2", "a^2-b^2"), (r"\pi r^2", r"\pi r^2"), ("2 x^2", "2x^2"),
+                  (r"\frac{1}{2} x^2", r"\frac{x^2}{2}"), (r"4 \pi r^2", r"4\pi r^2"), ("x^3 + 3 x^2", "x^3+3x^2")]
 
 
 @pytest.mark.parametrize("pred, ref", MORE_COMPLETE)
@@ -60,6 +66,11 @@ def test_math_verify_is_more_complete(pred: str, ref: str) -> None:
 @pytest.mark.parametrize("pred, ref", BOTH)
 def test_plain_equalities_hold_under_both(pred: str, ref: str) -> None:
     assert answers_match(pred, ref) and answers_equivalent(pred, ref)
+
+
+@pytest.mark.parametrize("pred, ref", WITH_VARIABLES)
+def test_letters_of_an_expression_are_no_units(pred: str, ref: str) -> None:
+    assert answers_equivalent(pred, ref)
 
 
 @pytest.mark.parametrize("pred, ref", WRONG)
@@ -155,3 +166,19 @@ def test_the_last_non_empty_box_is_the_answer() -> None:
     assert extract_boxed(r"\boxed{41} then \boxed{} 42") == "41" and extract_answer(r"\boxed{41}\boxed{}42") == "41"
     assert extract_boxed(r"\boxed{1} \boxed{\frac{1}{2}} \boxed{") == r"\frac{1}{2}"
     assert extract_boxed("\\boxed{" * 1000) is None
+
+
+@pytest.mark.parametrize("text", ["The answer is: **18**", "The final answer is **18**.", r"The answer is \[18\]",
+                                  r"The answer is \(18\).", "**Answer: 18**"])
+def test_an_answer_in_markdown_or_display_math_is_read(text: str) -> None:
+    from gradscope.trainers.tasks.math import extract_answer
+
+    assert extract_answer(text) == "18"
+
+
+def test_a_boxed_guess_while_thinking_is_not_the_answer() -> None:
+    from gradscope.trainers.reward import solver_answer
+
+    task = generate_math(1, 1, 0)[0]
+    assert solver_answer(task, r"<think>\boxed{17}</think> The answer is 18.") == ("18", True)
+    assert solver_answer(task, r"<think>so \boxed{17}") == (None, False)

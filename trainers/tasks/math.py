@@ -191,13 +191,14 @@ def extract_answer(text: str | None) -> str | None:
         return _first_token(hashes[-1]) or hashes[-1]
     answers = list(_ANSWER_RE.finditer(text))
     if answers:
-        line = text[answers[-1].end():].split("\n", 1)[0].strip()
-        math = re.match(r"\$+([^$]+)\$+", line)
-        if math and math.group(1).strip():
-            return math.group(1).strip()
+        line = text[answers[-1].end():].split("\n", 1)[0].strip().strip("*_ ")  # Markdown emphasis
+        math = re.match(r"\$+([^$]+)\$+|\\\[(.+?)\\\]|\\\((.+?)\\\)", line)
+        inner = math and next(g for g in math.groups() if g is not None).strip()
+        if inner:
+            return inner
         sentence = re.split(r"[.!?;](?:\s|$)", line, maxsplit=1)[0].strip().rstrip(".,;:!?").strip()
         if sentence and not re.search(r"\s", sentence):
-            return sentence.strip("$")
+            return sentence.strip("$*_")
         tok = _first_token(sentence)
         if tok:
             return tok
@@ -311,7 +312,11 @@ MATH_VERIFY_TIMEOUT_S = 2
 MAX_VERIFY_CHARS = 500
 #: Unit words after an answer (``1,234,567 dollars``, ``12 m/s``, ``5 cm^2``): the answer without them. A word
 #: of one letter only with a ``/`` or a power (``x`` may be a variable).
-_UNITS_AFTER = re.compile(r"(?:\s+(?:[A-Za-z]{2,12}|[A-Za-z](?=[/^²³]))(?:/[A-Za-z]{1,12})?(?:\^\{?\d\}?|[²³])?)+\.?$")
+_UNITS_AFTER = re.compile(r"(?:\s+(?:[A-Za-z]{2,12}|[A-Za-z](?=[/^²³]))(?:/[A-Za-z]{1,12})?(?:\^\{?\d\}?|[²³])?){1,8}\.?$")
+#: What a unit follows: a number, a closing brace (``\frac{1}{2}``), ``\pi`` or a percent sign.
+_BEFORE_UNIT = re.compile(r"(?:\d|\}|\\pi|%)$")
+#: The part of a prediction searched for units (a bounded regex on a bounded tail: linear time).
+_UNIT_TAIL_CHARS = 240
 #: Words that change what the number before them says (``7 or eight``, ``7 thousand``, ``3 squared``): never
 #: dropped as units; ``or`` anywhere makes a prediction two guesses, which never match.
 _NOT_UNITS = frozenset("""or and not but is are was more less fewer least most up to than plus minus times over
@@ -345,9 +350,12 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
     if _OR.search(pred):  # "7 or 8": two guesses
         return False
     pred = _PI_WORD.sub(r"\\pi", pred)  # "2 pi" is 2π (a LaTeX reading makes it 2·p·i)
-    tail = _UNITS_AFTER.search(pred)
-    if tail and tail.start() > 0 and not {w.lower() for w in re.findall(r"[A-Za-z]+", tail.group())} & _NOT_UNITS:
-        pred = pred[:tail.start()].rstrip()
+    tail = _UNITS_AFTER.search(pred[-_UNIT_TAIL_CHARS:])
+    if tail and not _has_variable(ref):  # where the reference has variables, letters are no unit
+        head = pred[:len(pred) - len(tail.group())].rstrip()
+        words = {w.lower() for w in re.findall(r"[A-Za-z]+", tail.group())}
+        if _BEFORE_UNIT.search(head) and not words & _NOT_UNITS:
+            pred = head
     if answers_match(pred, ref):
         return True
     if parse_number(pred) is not None and parse_number(ref) is not None:
@@ -357,13 +365,40 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
     return _verified(pred, ref)
 
 
+def _has_variable(text: str) -> bool:
+    """Whether a LaTeX answer has letters outside ``\\text{}``-like wrappers and commands (``x^2+y^2``,
+    ``4ab``), which are then its variables, never units."""
+    text = re.sub(r"\\(?:text\w*|mathrm|mbox|operatorname)\s*\{[^{}]*\}", "", text)
+    return re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", text)) is not None
+
+
 @lru_cache(maxsize=65536)
 def _verified(pred: str, ref: str) -> bool:
-    from math_verify import parse, verify  # sympy + ANTLR: ~1 s to import, only for file tasks
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify  # ~1 s to import
+    from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
+
+    # math-verify drops letters it takes for units (m, h, t, ab, ...) after a number: with variables in the
+    # reference those are its variables (``4`` paid for ``4ab``)
+    config = None if not _has_variable(ref) else [
+        LatexExtractionConfig(normalization_config=NormalizationConfig(
+            basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all", equations=False)),
+        ExprExtractionConfig()]
+    extra = {} if config is None else {"extraction_config": config}
 
     def parsed(text: str) -> list:
-        latex = parse(f"${text}$", parsing_timeout=MATH_VERIFY_TIMEOUT_S)
-        return [latex] if latex else [p for p in [parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)] if p]
+        latex = parse(f"${text}$", parsing_timeout=MATH_VERIFY_TIMEOUT_S, **extra)
+        return [latex] if latex else [p for p in [parse(text, parsing_timeout=MATH_VERIFY_TIMEOUT_S, **extra)] if p]
+
+    number = parse_number(pred)
+    if number is not None:  # a plain number: exactly the reference's value (verify rounds to 6 decimals)
+        gold = parsed(re.sub(r"\\?%$", "", ref))
+        value = gold[0][0] if gold else None
+        if getattr(value, "is_number", False):
+            try:
+                return bool(value.is_rational) and Fraction(str(value)) == number if value.is_Float else \
+                    bool(value.is_Rational) and Fraction(int(value.p), int(value.q)) == number
+            except (ValueError, TypeError, AttributeError):
+                return False
 
     return any(verify(gold, guess, timeout_seconds=MATH_VERIFY_TIMEOUT_S)
                for gold in parsed(ref) for guess in parsed(pred))
