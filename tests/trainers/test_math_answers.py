@@ -26,6 +26,7 @@ MORE_COMPLETE = [
     (r"5\text{ cm}", "5"),
     (r"12 \mathrm{m}^2", "12"),
     ("50%", "50"),                                            # percentages
+    (r"12.5\%", "12.5"), ("18.5 percent", "18.5"), (r"12.5\%", "0.125"),
     (r"50\%", "50"),
     (r"25\%", r"\frac{1}{4}"),
     ("1,234,567 dollars", "1234567"),                         # thousands separators, unit words after the number
@@ -51,7 +52,7 @@ WRONG = [("0.33", r"\frac{1}{3}"), ("1,235", "1234"), (r"\frac{1}{3}", r"\frac{1
          ("72 x", "72"), ("Yes No", "Yes"),
          # math-verify's own unit list dropped the reference's variables; its 6-decimal rounding paid approximations
          ("4", "4ab"), ("2", "2m"), ("5", "5t"), ("x+5", "x+5t"), ("1.414214", r"\sqrt{2}"), ("3.141593", r"\pi"),
-         ("1.333333", r"1\frac{1}{3}"), ("0.25", r"25\%")]
+         ("1.333333", r"1\frac{1}{3}"), ("0.25", r"25\%"), (r"12.5\%", "12.6"), (r"12.5\%", "0.13")]
 # right, with letters that are variables, not units (dropping them as units failed these)
 WITH_VARIABLES = [("x^2 + y^2", "x^2+y^2"), ("a^2 - b^2", "a^2-b^2"), (r"\pi r^2", r"\pi r^2"), ("2 x^2", "2x^2"),
                   (r"\frac{1}{2} x^2", r"\frac{x^2}{2}"), (r"4 \pi r^2", r"4\pi r^2"), ("x^3 + 3 x^2", "x^3+3x^2")]

@@ -325,6 +325,7 @@ _NOT_UNITS = frozenset("""or and not but is are was more less fewer least most u
     seven eight nine ten eleven twelve twenty thirty forty fifty hundredths tenths""".split())
 _OR = re.compile(r"(?<![\\A-Za-z])or(?![A-Za-z])", re.IGNORECASE)
 _PI_WORD = re.compile(r"(?<![\\A-Za-z])pi(?![A-Za-z])")
+_PERCENT = re.compile(r"(.+?)\s*(?:\\?%|\s+percent)")
 
 
 def answers_equivalent(pred: str | None, ref: str | None) -> bool:
@@ -350,6 +351,10 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
     if _OR.search(pred):  # "7 or 8": two guesses
         return False
     pred = _PI_WORD.sub(r"\\pi", pred)  # "2 pi" is 2π (a LaTeX reading makes it 2·p·i)
+    percent = _PERCENT.fullmatch(pred)
+    if percent and "%" not in ref and parse_number(percent.group(1)) is not None and parse_number(ref) is not None:
+        n, value = parse_number(percent.group(1)), parse_number(ref)  # both readings, exactly (math-verify's
+        return n == value or n / 100 == value                          # held for whole percents only)
     tail = _UNITS_AFTER.search(pred[-_UNIT_TAIL_CHARS:])
     if tail and not _has_variable(ref):  # where the reference has variables, letters are no unit
         head = pred[:len(pred) - len(tail.group())].rstrip()
