@@ -90,13 +90,17 @@ def test_generated_tasks_keep_the_exact_arithmetic_check() -> None:
     assert answers_equivalent(f"{value - 10}+10", str(value))  # ... as it would on a file task
 
 
-def test_file_tasks_use_math_verify(tmp_path: Path) -> None:
-    path = tmp_path / "mixed.jsonl"
-    rows = [{"question": "How many?", "answer": "She has 1234 eggs.\n#### 1,234"},
-            {"problem": "Evaluate.", "solution": r"So it is $\boxed{\frac{\sqrt3}{2}}$."},
-            {"problem": "What percent?", "solution": r"The share is $\boxed{25}$."}]
+def file_tasks(path: Path, rows: list[dict]) -> list:
+    """The tasks of a JSONL file of ``rows`` written at ``path``."""
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    gsm, math, pct = load_math_jsonl(path)
+    return load_math_jsonl(path)
+
+
+def test_file_tasks_use_math_verify(tmp_path: Path) -> None:
+    gsm, math, pct = file_tasks(tmp_path / "mixed.jsonl", [
+        {"question": "How many?", "answer": "She has 1234 eggs.\n#### 1,234"},
+        {"problem": "Evaluate.", "solution": r"So it is $\boxed{\frac{\sqrt3}{2}}$."},
+        {"problem": "What percent?", "solution": r"The share is $\boxed{25}$."}])
     assert is_correct(gsm, "The total is $1,234.00.") and is_correct(gsm, "#### 1234")
     assert not is_correct(gsm, "The total is 1,243.")
     assert is_correct(math, r"Hence the value is $\boxed{\dfrac{\sqrt{3}}{2}}$.")
@@ -147,12 +151,10 @@ def test_a_huge_number_is_neither_a_hang_nor_a_crash():
 def test_references_are_checked_as_the_file_wrote_them(tmp_path: Path) -> None:
     """Normalising the reference damaged it: '\\$18.90' became '\\18.90', a matrix's row break '\\\\ ' lost a
     backslash, '\\frac{\\pi}{3} radians' ran together: right answers scored 0."""
-    path = tmp_path / "refs.jsonl"
-    rows = [{"question": "How much?", "answer": "So.\n#### \\$18.90"},
-            {"problem": "Which vector?", "solution": r"It is $\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}$."},
-            {"problem": "Which angle?", "solution": r"It is $\boxed{\frac{\pi}{3} \text{ radians}}$."}]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    money, vector, angle = load_math_jsonl(path)
+    money, vector, angle = file_tasks(tmp_path / "refs.jsonl", [
+        {"question": "How much?", "answer": "So.\n#### \\$18.90"},
+        {"problem": "Which vector?", "solution": r"It is $\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}$."},
+        {"problem": "Which angle?", "solution": r"It is $\boxed{\frac{\pi}{3} \text{ radians}}$."}])
     for output in (r"It costs \boxed{18.90} dollars.", "The answer is $18.90.", r"\boxed{18.9}"):
         assert is_correct(money, output), output
     assert not is_correct(money, r"\boxed{18.80}")
