@@ -29,7 +29,9 @@ def run_with_progress(trainer: Trainer) -> Path:
     cfg = trainer.cfg
     name = f"{cfg.workflow}/{cfg.task}/{cfg.policy}"
     last_acc: list[float] = []
-    with tqdm(total=cfg.steps, desc=name, unit="step", dynamic_ncols=True, disable=not trainer.dist.is_main) as bar:
+    done = trainer.resume_from.step if trainer.resume_from is not None else 0  # a resumed run starts there
+    with tqdm(total=cfg.steps, initial=done, desc=name, unit="step", dynamic_ncols=True,
+              disable=not trainer.dist.is_main) as bar:
         def progress(step: int, metrics: dict[str, float]) -> None:
             if "eval_accuracy" in metrics:
                 last_acc[:] = [metrics["eval_accuracy"]]
