@@ -352,15 +352,11 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
         return False
     pred = _PI_WORD.sub(r"\\pi", pred)  # "2 pi" is 2π (a LaTeX reading makes it 2·p·i)
     percent = _PERCENT.fullmatch(pred)
-    if percent and "%" not in ref and parse_number(percent.group(1)) is not None and parse_number(ref) is not None:
-        n, value = parse_number(percent.group(1)), parse_number(ref)  # both readings, exactly (math-verify's
-        return n == value or n / 100 == value                          # held for whole percents only)
-    tail = _UNITS_AFTER.search(pred[-_UNIT_TAIL_CHARS:])
-    if tail and not _has_variable(ref):  # where the reference has variables, letters are no unit
-        head = pred[:len(pred) - len(tail.group())].rstrip()
-        words = {w.lower() for w in re.findall(r"[A-Za-z]+", tail.group())}
-        if _BEFORE_UNIT.search(head) and not words & _NOT_UNITS:
-            pred = head
+    if percent and "%" not in ref:
+        n, value = parse_number(percent.group(1)), parse_number(ref)
+        if n is not None and value is not None:  # both readings, exactly (math-verify's: whole percents only)
+            return n == value or n / 100 == value
+    pred = _without_units(pred, ref)
     if answers_match(pred, ref):
         return True
     if parse_number(pred) is not None and parse_number(ref) is not None:
@@ -370,11 +366,32 @@ def answers_equivalent(pred: str | None, ref: str | None) -> bool:
     return _verified(pred, ref)
 
 
+def _without_units(pred: str, ref: str) -> str:
+    """``pred`` without the unit words at its end (``12 m/s`` → ``12``): only after a number, ``}``, ``\\pi``
+    or ``%``, never a word of :data:`_NOT_UNITS`, and not at all when ``ref`` has variables."""
+    tail = _UNITS_AFTER.search(pred[-_UNIT_TAIL_CHARS:])
+    if tail is None or _has_variable(ref):
+        return pred
+    head = pred[:len(pred) - len(tail.group())].rstrip()
+    words = {w.lower() for w in re.findall(r"[A-Za-z]+", tail.group())}
+    return head if _BEFORE_UNIT.search(head) and not words & _NOT_UNITS else pred
+
+
 def _has_variable(text: str) -> bool:
     """Whether a LaTeX answer has letters outside ``\\text{}``-like wrappers and commands (``x^2+y^2``,
     ``4ab``), which are then its variables, never units."""
     text = re.sub(r"\\(?:text\w*|mathrm|mbox|operatorname)\s*\{[^{}]*\}", "", text)
     return re.search(r"[A-Za-z]", re.sub(r"\\[A-Za-z]+", "", text)) is not None
+
+
+def _exact(value) -> Fraction | None:
+    """A sympy number as an exact rational (a Float by its decimal digits), else None."""
+    try:
+        if value.is_Float:
+            return Fraction(str(value))
+        return Fraction(int(value.p), int(value.q)) if value.is_Rational else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 @lru_cache(maxsize=65536)
@@ -398,12 +415,8 @@ def _verified(pred: str, ref: str) -> bool:
     if number is not None:  # a plain number: exactly the reference's value (verify rounds to 6 decimals)
         gold = parsed(re.sub(r"\\?%$", "", ref))
         value = gold[0][0] if gold else None
-        if getattr(value, "is_number", False):
-            try:
-                return bool(value.is_rational) and Fraction(str(value)) == number if value.is_Float else \
-                    bool(value.is_Rational) and Fraction(int(value.p), int(value.q)) == number
-            except (ValueError, TypeError, AttributeError):
-                return False
+        if getattr(value, "is_number", False):  # irrational (or not exact): no plain number equals it
+            return _exact(value) == number
 
     return any(verify(gold, guess, timeout_seconds=MATH_VERIFY_TIMEOUT_S)
                for gold in parsed(ref) for guess in parsed(pred))
