@@ -313,6 +313,8 @@ GOOD = json.dumps({"question": "q", "answer": "#### 1"})
     (json.dumps({"text": "hello"}), "neither"),
     (json.dumps({"question": "q", "answer": "#### 2", "id": "dup"}) + "\n" + json.dumps(
         {"question": "q", "answer": "#### 2", "id": "dup"}), "duplicate"),
+    ('{"question": "q", "answer": "#### 5", "x": ' + "9" * 5000 + "}", "invalid JSON"),  # over int's digit limit
+    ('{"question": "q", "answer": "#### 5", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
 ])
 def test_malformed_jsonl_names_file_and_line(tmp_path, bad, why):
     f = tmp_path / "bad.jsonl"
@@ -336,6 +338,51 @@ def test_unreadable_or_empty_task_files(tmp_path):
     binary.write_bytes(GOOD.encode() + b"\n\xff\xfe\n")
     with pytest.raises(TaskFileError, match=r"bin.jsonl:2: "):
         load_math_jsonl(binary)
+
+
+def test_corrupt_gzip_task_file_is_a_task_file_error(tmp_path):
+    data = bytearray(gzip.compress((GOOD + "\n").encode() * 100))
+    data[20:40] = bytes(b ^ 0xFF for b in data[20:40])  # a good header, corrupt deflate data
+    f = tmp_path / "corrupt.jsonl.gz"
+    f.write_bytes(bytes(data))
+    with pytest.raises(TaskFileError, match=r"corrupt.jsonl.gz:1: cannot read"):
+        load_math_jsonl(f)
+    with pytest.raises(TaskFileError, match=r"corrupt.jsonl.gz:1: cannot read"):
+        load_humaneval(f)
+
+
+HUMANEVAL = {"task_id": "T/0", "prompt": "def f(x):\n", "entry_point": "f", "canonical_solution": "    return x\n",
+             "test": "def check(candidate):\n    assert candidate(1) == 1\n"}
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("[1]", "expected a JSON object, got list"),
+    ('"abc"', "expected a JSON object, got str"),
+    (json.dumps({k: v for k, v in HUMANEVAL.items() if k != "task_id"}), "'task_id'"),
+    (json.dumps(dict(HUMANEVAL, task_id=7)), "'task_id'"),
+    (json.dumps({k: v for k, v in HUMANEVAL.items() if k != "test"}), "'test'"),
+    (json.dumps(dict(HUMANEVAL, entry_point="f(x)")), "not a Python name"),
+    (json.dumps(dict(HUMANEVAL, entry_point="class")), "not a Python name"),
+    (json.dumps(dict(HUMANEVAL, canonical_solution=3)), "'canonical_solution' is not a string"),
+    (json.dumps(HUMANEVAL), "duplicate task_id 'T/0'"),
+    ("{broken", "invalid JSON"),
+])
+def test_malformed_humaneval_file_names_file_and_line(tmp_path, bad, why):
+    f = tmp_path / "he.jsonl"
+    good = json.dumps(HUMANEVAL)
+    f.write_text(good + "\n\n" + bad + "\n", encoding="utf-8")
+    with pytest.raises(TaskFileError) as exc:
+        load_humaneval(f)
+    msg = str(exc.value)
+    assert msg.startswith(f"{f}:3: ") and why in msg and "\n" not in msg
+
+
+def test_humaneval_file_loads_its_records(tmp_path):
+    f = tmp_path / "he.jsonl.gz"
+    f.write_bytes(gzip.compress((json.dumps(HUMANEVAL) + "\n" + json.dumps(dict(HUMANEVAL, task_id="T/1"))).encode()))
+    tasks = load_humaneval(f)
+    assert [t.id for t in tasks] == ["T/0", "T/1"] and tasks[0].answer == "    return x\n"
+    assert tasks[0].meta["entry_point"] == "f" and tasks[0].meta["test"] == HUMANEVAL["test"]
 
 
 def test_task_file_error_is_a_gradscope_error():

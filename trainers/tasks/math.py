@@ -8,8 +8,6 @@ problems by exact arithmetic (:func:`answers_match`), GSM8K / MATH file problems
 """
 from __future__ import annotations
 
-import gzip
-import json
 import re
 import threading
 from fractions import Fraction
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .base import Task, TaskError, TaskFileError, rng_for, unique_draws
+from .jsonl import read_records
 
 __all__ = [
     "PROMPT_TEMPLATE", "LEVELS", "DEFAULT_WIDTH", "format_prompt", "format_answer", "generate_math",
@@ -453,12 +452,6 @@ def is_correct(task: Task, output: str | None, *, strict_width: bool = False) ->
 _ID_KEYS = ("id", "task_id", "unique_id", "idx")
 
 
-def _open_text(path: Path):
-    if path.suffix == ".gz":
-        return gzip.open(path, "rb")
-    return open(path, "rb")
-
-
 def _difficulty(record: dict):
     level = record.get("level", record.get("difficulty"))
     if isinstance(level, int) and not isinstance(level, bool):
@@ -490,71 +483,50 @@ def load_math_jsonl(path: str | Path) -> list[Task]:
     def fail(lineno: int, why: str):
         raise TaskFileError(f"{path}:{lineno}: {why}") from None
 
-    try:
-        fh = _open_text(path)
-    except OSError as e:
-        raise TaskFileError(f"{path}: cannot read task file ({e.strerror or e})") from None
-    with fh:
-        lineno = 0
-        try:
-            for lineno, raw in enumerate(fh, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    fail(lineno, "not UTF-8 text")
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    fail(lineno, f"invalid JSON ({e.msg} at column {e.colno})")
-                if not isinstance(record, dict):
-                    fail(lineno, f"expected a JSON object, got {type(record).__name__}")
-                if "question" in record:
-                    kind = "gsm8k"
-                    prompt, solution = record.get("question"), record.get("answer")
-                    if not isinstance(prompt, str) or not isinstance(solution, str):
-                        fail(lineno, "GSM8K record needs string fields 'question' and 'answer'")
-                    if "####" not in solution:
-                        fail(lineno, "GSM8K 'answer' has no '#### <answer>' line")
-                    head, _, tail = solution.rpartition("####")
-                    reference = tail.strip().split("\n", 1)[0].strip()
-                    answer = normalise_answer(reference)
-                    if not answer:
-                        fail(lineno, "GSM8K 'answer' has an empty '####' answer")
-                    meta = {"source": "gsm8k", "solution": head.strip(), "reference": reference}
-                elif "problem" in record:
-                    kind = "math"
-                    prompt, solution = record.get("problem"), record.get("solution")
-                    if not isinstance(prompt, str):
-                        fail(lineno, "MATH record needs a string field 'problem'")
-                    given = record.get("answer")
-                    if isinstance(given, str) and given.strip():
-                        reference = given.strip()
-                    else:
-                        if not isinstance(solution, str):
-                            fail(lineno, "MATH record needs a string field 'solution' (or 'answer')")
-                        boxed = extract_boxed(solution)
-                        if not boxed:
-                            fail(lineno, "MATH 'solution' has no \\boxed{...} answer")
-                        reference = boxed
-                    answer = normalise_answer(reference)
-                    meta = {"source": "math", "solution": solution if isinstance(solution, str) else "",
-                            "reference": reference}
-                    for key in ("type", "subject"):
-                        if key in record:
-                            meta[key] = record[key]
-                else:
-                    fail(lineno, "record has neither 'question'/'answer' (GSM8K) nor 'problem'/'solution' (MATH)")
-                tid = next((str(record[k]) for k in _ID_KEYS if k in record), f"{path.stem}/{lineno}")
-                if tid in ids:
-                    fail(lineno, f"duplicate task id {tid!r}")
-                ids.add(tid)
-                meta.update({"format": kind, "difficulty": _difficulty(record), "width": None,
-                             "file": str(path), "line": lineno})
-                tasks.append(Task(id=tid, kind="math", prompt=prompt, answer=answer, meta=meta))
-        except (OSError, EOFError) as e:  # e.g. a corrupt .gz
-            fail(lineno + 1, f"cannot read ({e})")
+    for lineno, record in read_records(path):
+        if "question" in record:
+            kind = "gsm8k"
+            prompt, solution = record.get("question"), record.get("answer")
+            if not isinstance(prompt, str) or not isinstance(solution, str):
+                fail(lineno, "GSM8K record needs string fields 'question' and 'answer'")
+            if "####" not in solution:
+                fail(lineno, "GSM8K 'answer' has no '#### <answer>' line")
+            head, _, tail = solution.rpartition("####")
+            reference = tail.strip().split("\n", 1)[0].strip()
+            answer = normalise_answer(reference)
+            if not answer:
+                fail(lineno, "GSM8K 'answer' has an empty '####' answer")
+            meta = {"source": "gsm8k", "solution": head.strip(), "reference": reference}
+        elif "problem" in record:
+            kind = "math"
+            prompt, solution = record.get("problem"), record.get("solution")
+            if not isinstance(prompt, str):
+                fail(lineno, "MATH record needs a string field 'problem'")
+            given = record.get("answer")
+            if isinstance(given, str) and given.strip():
+                reference = given.strip()
+            else:
+                if not isinstance(solution, str):
+                    fail(lineno, "MATH record needs a string field 'solution' (or 'answer')")
+                boxed = extract_boxed(solution)
+                if not boxed:
+                    fail(lineno, "MATH 'solution' has no \\boxed{...} answer")
+                reference = boxed
+            answer = normalise_answer(reference)
+            meta = {"source": "math", "solution": solution if isinstance(solution, str) else "",
+                    "reference": reference}
+            for key in ("type", "subject"):
+                if key in record:
+                    meta[key] = record[key]
+        else:
+            fail(lineno, "record has neither 'question'/'answer' (GSM8K) nor 'problem'/'solution' (MATH)")
+        tid = next((str(record[k]) for k in _ID_KEYS if k in record), f"{path.stem}/{lineno}")
+        if tid in ids:
+            fail(lineno, f"duplicate task id {tid!r}")
+        ids.add(tid)
+        meta.update({"format": kind, "difficulty": _difficulty(record), "width": None,
+                     "file": str(path), "line": lineno})
+        tasks.append(Task(id=tid, kind="math", prompt=prompt, answer=answer, meta=meta))
     if not tasks:
         raise TaskFileError(f"{path}: no tasks in file")
     return tasks

@@ -1,0 +1,54 @@
+"""Reading a task file: one JSON object per line, plain or gzip-compressed.
+
+Shared by the math loader (GSM8K / MATH records) and the HumanEval loader, so that every malformed
+file gives the same one-line :class:`TaskFileError` (``<file>:<line>: <why>``), never a traceback.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from .base import TaskFileError
+
+
+def read_records(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` for each non-blank line of ``path`` (``.gz``: gzip), from 1.
+
+    Raises :class:`TaskFileError` naming the file and line for an unreadable or corrupt file, text that
+    is not UTF-8, a line that is not JSON (numbers too long for Python, nesting too deep included) or
+    not a JSON object."""
+    path = Path(path)
+    try:
+        fh = gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    except OSError as e:
+        raise TaskFileError(f"{path}: cannot read task file ({e.strerror or e})") from None
+    with fh:
+        lineno = 0
+        lines = iter(fh)
+        while True:
+            try:
+                raw = next(lines, None)
+            except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz, a device error
+                raise TaskFileError(f"{path}:{lineno + 1}: cannot read ({e})") from None
+            if raw is None:
+                return
+            lineno += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TaskFileError(f"{path}:{lineno}: not UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskFileError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # an integer over Python's digit limit; nesting too deep
+                why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+                raise TaskFileError(f"{path}:{lineno}: invalid JSON ({why})") from None
+            if not isinstance(record, dict):
+                raise TaskFileError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            yield lineno, record
