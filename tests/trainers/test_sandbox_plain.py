@@ -83,6 +83,58 @@ def test_other_values_are_refused(value):
         plain.dumps(value)
 
 
+class Lying(float):
+    """A float subclass whose every method lies: only its own data may cross."""
+    def __eq__(self, other):
+        return True
+
+    def __float__(self):
+        return 42.0
+
+    def __repr__(self):
+        return "42.0"
+
+
+class LyingStr(str):
+    def __str__(self):
+        return "forged"
+
+    def __iter__(self):
+        return iter("forged")
+
+
+class LyingDict(dict):
+    def items(self):
+        return [("forged", 1)]
+
+    def copy(self):
+        return {"forged": 1}
+
+
+class Liar:
+    """Claims to be a dict (``isinstance`` believes ``__class__``; the codec must not)."""
+    __class__ = dict
+
+    def __eq__(self, other):
+        return True
+
+
+def test_a_reply_crosses_subclasses_as_their_own_data():
+    from collections import Counter, OrderedDict, defaultdict, namedtuple
+    from enum import IntEnum
+
+    pair = namedtuple("pair", "a b")
+    Colour = IntEnum("Colour", "RED GREEN")
+    value = [Counter("aab"), OrderedDict(x=1), defaultdict(list, {1: [2]}), pair(1, MyInt(2)), Colour.GREEN,
+             Lying(1.5), LyingStr("abc"), LyingDict(k=MyInt(7)), {MyInt(1): frozenset({MyInt(3)})}]
+    back = plain.loads(plain.dumps(value, subclasses=True))
+    assert_plain(back)
+    assert same(back, [{"a": 2, "b": 1}, {"x": 1}, {1: [2]}, (1, 2), 2, 1.5, "abc", {"k": 7}, {1: frozenset({3})}])
+    for refused in (Always(), Liar(), [Liar()], MyInt):  # subclasses of nothing plain, a lying __class__, a type
+        with pytest.raises(plain.NotPlain):
+            plain.dumps(refused, subclasses=True)
+
+
 def test_depth_limit():
     deep = []
     for _ in range(plain.MAX_DEPTH):

@@ -85,7 +85,7 @@ def serve(wd: str, entry: str, req_fd: int, resp_fd: int) -> None:
         except Exception as e:
             reply = ("raise", type(e).__name__, str(e))
         try:
-            body = plain.dumps(reply, envelope=1)
+            body = plain.dumps(reply, envelope=1, subclasses=True)
         except plain.NotPlain as e:
             body = plain.dumps(("unplain", str(e)))
         plain.write_message(resp_fd, body)

@@ -2,9 +2,12 @@
 
 Plain data is what ``marshal`` accepts minus code objects: ``None``, ``bool``, ``int``, ``float``,
 ``complex``, ``str``, ``bytes``, and ``list``/``tuple``/``dict``/``set``/``frozenset`` of plain data,
-each of *exactly* that type (no subclasses), at most :data:`MAX_DEPTH` containers deep (not
-counting the message's own envelope, see :func:`dumps`). Anything else - an object with its own
-``__eq__``, a generator, a function - is refused by :func:`dumps`.
+each of *exactly* that type, at most :data:`MAX_DEPTH` containers deep (not counting the message's
+own envelope, see :func:`dumps`). Anything else - an object with its own ``__eq__``, a generator, a
+function - is refused by :func:`dumps`. A sender may let instances of *subclasses* of those types
+(``OrderedDict``, ``Counter``, a namedtuple, numpy's ``float64``) cross as their base type's own
+data (``subclasses=True``: the candidate's replies), read with the base type's methods, so that no
+method of the subclass (its ``__eq__``, ``__iter__``, ``__str__``) plays any part.
 
 The wire format is JSON (ASCII) with one-key objects as type tags (``{"t": [...]}`` a tuple,
 ``{"d": [[k, v], ...]}`` a dict, ``{"s": ...}`` a set, ``{"f": ...}`` a frozenset, ``{"b": hex}``
@@ -33,7 +36,14 @@ class TooDeep(NotPlain):
     """The value is plain data nested deeper than :data:`MAX_DEPTH` containers."""
 
 
-def _pack(x, depth):
+#: The plain base types a subclass instance crosses as (``subclasses=True``), each with the base method that
+#: copies an instance's own data into an exact instance of the base type.
+_AS_BASE = ((int, int.__int__), (float, float.__float__), (complex, complex.__complex__), (str, str.__str__),
+            (bytes, bytes.__bytes__), (list, list.copy), (tuple, lambda x: tuple.__getitem__(x, slice(None))),
+            (dict, dict.copy), (set, set.copy), (frozenset, frozenset.copy))
+
+
+def _pack(x, depth, subclasses=False):
     t = type(x)
     if x is None or t is bool or t is str:
         return x
@@ -48,22 +58,27 @@ def _pack(x, depth):
     if depth >= MAX_DEPTH:
         raise TooDeep("nested deeper than %d" % MAX_DEPTH)
     if t is list:
-        return [_pack(v, depth + 1) for v in x]
+        return [_pack(v, depth + 1, subclasses) for v in x]
     if t is tuple:
-        return {"t": [_pack(v, depth + 1) for v in x]}
+        return {"t": [_pack(v, depth + 1, subclasses) for v in x]}
     if t is dict:
-        return {"d": [[_pack(k, depth + 1), _pack(v, depth + 1)] for k, v in x.items()]}
+        return {"d": [[_pack(k, depth + 1, subclasses), _pack(v, depth + 1, subclasses)] for k, v in x.items()]}
     if t is set or t is frozenset:
-        return {"s" if t is set else "f": [_pack(v, depth + 1) for v in x]}
+        return {"s" if t is set else "f": [_pack(v, depth + 1, subclasses) for v in x]}
+    if subclasses:
+        for base, copy in _AS_BASE:
+            if issubclass(t, base):  # (type(x), not isinstance: an object's __class__ can lie)
+                return _pack(copy(x), depth, subclasses)
     raise NotPlain(t.__name__)
 
 
-def dumps(x, envelope: int = 0) -> bytes:
+def dumps(x, envelope: int = 0, subclasses: bool = False) -> bytes:
     """``x`` as bytes; raises :class:`NotPlain` if any part of it is not plain data. The outer
     ``envelope`` levels of containers do not count towards :data:`MAX_DEPTH`: a value may cross
     in a request ``(args, kwargs)`` (envelope 2) as deep as in a reply ``("ok", value)``
-    (envelope 1)."""
-    return json.dumps(_pack(x, -envelope), separators=(",", ":")).encode("ascii")
+    (envelope 1). ``subclasses``: an instance of a subclass of a plain type crosses as its base
+    type's own data (see :data:`_AS_BASE`) instead of being refused."""
+    return json.dumps(_pack(x, -envelope, subclasses), separators=(",", ":")).encode("ascii")
 
 
 def _tagged(obj):
