@@ -526,6 +526,30 @@ def test_toy_levels_differ():
     assert all(t.meta["params"] == ["x", "y"] for t in l3)
 
 
+def test_toy_level3_tests_catch_every_simpler_or_sibling_body():
+    """Every wrong body among the other level-3 expressions and simple one- or two-operation bodies fails
+    some case of each of the 88 level-3 tasks (five random inputs let ``return y`` pass ``x//7+y``: every x
+    was below 7); a task the random inputs already cover keeps exactly those five."""
+    tasks = generate_toy_code(88, level=3, seed=0)
+    exprs = {t.meta["expression"] for t in tasks}
+    simple = ["x", "y", "x+y", "x*y", "x-y", "y-x", "max(x,y)", "min(x,y)", "x+y+1", "x%2+y", "y*x+1"]
+    simple += [f"{v}{op}{a}" for v in "xy" for op in "*+-" for a in range(2, 10)]
+    simple += [f"y+x//{a}" for a in range(2, 10)] + [f"x*{a}+y" for a in range(2, 10)]
+
+    def value(expr, x, y):
+        return eval(expr, {"max": max, "min": min}, {"x": x, "y": y})  # noqa: S307 (the test's own expressions)
+
+    grid = [(x, y) for x in range(13) for y in range(13)]
+    sizes = []
+    for t in tasks:
+        cases = [(tuple(args), out) for args, out in t.meta["cases"]]
+        sizes.append(len(cases))
+        for wrong in exprs | set(simple):
+            if any(value(wrong, *p) != value(t.meta["expression"], *p) for p in grid):
+                assert any(value(wrong, *args) != out for args, out in cases), (t.prompt, wrong, cases)
+    assert min(sizes) == 5 and sizes.count(5) >= 80
+
+
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_toy_canonical_passes_and_wrong_fails(level):
     for t in generate_toy_code(6, level, seed=11):
@@ -544,6 +568,10 @@ def test_toy_program_text_and_completion_forms():
     assert prompt + body + "\n" + test + "\n" + f"check({entry})\n" == program
     # fenced and over-indented completions become the same body; a bare expression is not fixed up
     assert toy_body(f"```python\n        {t.answer}\n```") == toy_body(t.answer) == f"    {t.answer}\n"
+    for fenced in (f"``` python\n{t.answer}\n```", f"```python title=f.py\n{t.answer}\n```", f"~~~py\n{t.answer}\n~~~",
+                   f"Here it is:\n```python\n{t.answer}\n```\nDone.", f"```python\n{t.answer}```", f"```\n{t.answer}\n",
+                   f"```py\n{t.answer}\n```\nor:\n```py\nreturn 0\n```"):  # (the first block counts)
+        assert toy_body(fenced) == f"    {t.answer}\n", fenced
     assert toy_body("") == "    pass\n"
     assert run_program(toy_program(t, f"```python\n{t.answer}\n```")).returncode == 0
     assert run_program(toy_program(t, t.meta["expression"])).returncode != 0

@@ -13,6 +13,7 @@ completion is one short line (``return x*3+1``).
 """
 from __future__ import annotations
 
+import functools
 import keyword
 import re
 import textwrap
@@ -91,6 +92,30 @@ def _linear(a: int, b: int) -> str:
     return f"{head}+{b}" if b > 0 else f"{head}-{-b}"
 
 
+_LEVEL3_FORMS = ("x*y+{a}", "x+y*{a}", "(x+y)*{a}", "x*{a}-y", "x-y*{a}", "max(x,y)+{a}", "min(x,y)*{a}",
+                 "max(x,y)*{a}", "x%{a}+y", "x//{a}+y", "(x-y)*{a}")
+#: The inputs of a two-argument task's tests: x, y in 0..12.
+_GRID = [(x, y) for x in range(13) for y in range(13)]
+
+
+@functools.lru_cache(maxsize=1)
+def _level3_rivals() -> dict[str, tuple[int, ...]]:
+    """Wrong answers a level-3 task's tests must catch, each with its outputs on :data:`_GRID`: every
+    level-3 form with every constant 0-9, and every linear function of one argument (``v*a+b``, ``b-v``
+    for v in x, y, a in 0..9, b in -9..9: ``y`` for ``x//7+y``, ``x*6`` for ``max(x,y)*6``)."""
+    exprs = [form.format(a=a) for form in _LEVEL3_FORMS for a in range(10)]
+    exprs += [f"{v}*{a}+({b})" for v in "xy" for a in range(10) for b in range(-9, 10)]
+    exprs += [f"{b}-{v}" for v in "xy" for b in range(10)]
+    rivals = {}
+    for expr in exprs:
+        code = compile(expr, "<rival>", "eval")
+        try:
+            rivals[expr] = tuple(_eval_expr(code, {"x": x, "y": y}) for x, y in _GRID)
+        except ZeroDivisionError:  # x//0, x%0
+            continue
+    return rivals
+
+
 def _toy_draw(level: int):
     def level1(rng):
         form = rng.randrange(5)
@@ -107,11 +132,7 @@ def _toy_draw(level: int):
 
     def level3(rng):
         a = rng.randint(2, 9)
-        expr = rng.choice([
-            f"x*y+{a}", f"x+y*{a}", f"(x+y)*{a}", f"x*{a}-y", f"x-y*{a}", f"max(x,y)+{a}",
-            f"min(x,y)*{a}", f"max(x,y)*{a}", f"x%{a}+y", f"x//{a}+y", f"(x-y)*{a}",
-        ])
-        return expr, ("x", "y"), None
+        return rng.choice(_LEVEL3_FORMS).format(a=a), ("x", "y"), None
 
     try:
         return {1: level1, 2: level2, 3: level3}[level]
@@ -119,7 +140,7 @@ def _toy_draw(level: int):
         raise TaskError(f"unknown toy-code level {level!r}; levels are {sorted(TOY_LEVELS)}") from None
 
 
-def _eval_expr(expr: str, args: dict[str, int]) -> int:
+def _eval_expr(expr, args: dict[str, int]) -> int:
     # Only our own generated expressions (fixed templates above) are evaluated here, to compute
     # expected outputs; model completions are never evaluated in-process.
     return eval(expr, {"__builtins__": {}, "max": max, "min": min}, dict(args))  # noqa: S307
@@ -131,7 +152,9 @@ def _call(args: tuple[int, ...]) -> str:
 
 def _cases(prompt: str, expr: str, params: tuple[str, ...], xs, n_tests: int):
     """The checked cases: the prompt's examples, then ``n_tests`` further inputs seeded by the
-    prompt (so a task's tests do not depend on its position or on the set's seed)."""
+    prompt (so a task's tests do not depend on its position or on the set's seed); for two
+    arguments, then inputs of :data:`_GRID` in a prompt-seeded order, each added where it catches a
+    rival (:func:`_level3_rivals`) that all cases so far let pass (``x//7+y`` for x < 7 is ``y``)."""
     examples = [(x,) for x in xs] if xs is not None else []
     case_rng = rng_for(0, "toy-cases", prompt)
     lo, hi = (0, 20) if len(params) == 1 else (0, 12)
@@ -140,6 +163,14 @@ def _cases(prompt: str, expr: str, params: tuple[str, ...], xs, n_tests: int):
         args = tuple(case_rng.randint(lo, hi) for _ in params)
         if args not in extra and args not in examples:
             extra.append(args)
+    if len(params) == 2:
+        order = case_rng.sample(range(len(_GRID)), len(_GRID))
+        target = tuple(_eval_expr(expr, {"x": x, "y": y}) for x, y in _GRID)
+        chosen = [_GRID.index(args) for args in extra]
+        for outputs in _level3_rivals().values():
+            if outputs != target and all(outputs[i] == target[i] for i in chosen):
+                chosen.append(next(i for i in order if outputs[i] != target[i]))
+        extra = [_GRID[i] for i in chosen]
     return [(args, _eval_expr(expr, dict(zip(params, args)))) for args in examples + extra]
 
 
@@ -182,17 +213,19 @@ def generate_toy_code(n: int, level: int = 1, seed: int = 0, *, n_tests: int = 5
     return tasks
 
 
-_FENCE_RE = re.compile(r"^\s*```[\w+-]*\s*\n(.*?)(?:\n\s*```.*)?$", re.DOTALL)
+#: A Markdown code block: an opening fence line (``` or ~~~, any info string), its content, and the closing
+#: fence (a line of its own, or the end of the content's last line) or the end of the text.
+_FENCE_RE = re.compile(r"^[ \t]*(```|~~~)[^\n]*\n(.*?)(?:\n[ \t]*\1[ \t]*$|\1[ \t]*$|\Z)", re.DOTALL | re.MULTILINE)
 
 
 def toy_body(completion: str) -> str:
-    """A completion as the indented body of the toy function: code fences removed, dedented,
-    every line indented by four spaces, ``pass`` if empty. The text itself is not changed
-    (no ``return`` is added), so ``x*3+1`` alone is a wrong answer."""
+    """A completion as the indented body of the toy function: the content of its first fenced code block
+    if it has one (text around it dropped), dedented, every line indented by four spaces, ``pass`` if
+    empty. The code itself is not changed (no ``return`` is added), so ``x*3+1`` alone is a wrong answer."""
     text = completion or ""
-    m = _FENCE_RE.match(text)
+    m = _FENCE_RE.search(text)
     if m:
-        text = m.group(1)
+        text = m.group(2)
     text = textwrap.dedent(text.strip("\n")).strip()
     if not text:
         text = "pass"
