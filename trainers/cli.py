@@ -69,13 +69,19 @@ def train_main(argv: Sequence[str]) -> int:
         trainer = Trainer(cfg, verbose=True, echo=lambda line: tqdm.write(line, file=sys.stderr))
     except ConfigError as exc:  # a bad value from the config file: say where it was set
         raise locate(exc, {k: where for k, where in origin.items() if k not in given}) from None
-    finished = False
+    from gradscope.trainers.rollout import Diverged
+
+    finished, code = False, 0
     try:
         out = run_with_progress(trainer)
         finished = True
+    except Diverged as exc:  # every rank raises it (Trainer._sampled): each ends with the line, after the others
+        finished, code = True, 1
+        print(f"gradscope: error: training diverged at step {trainer.diverged_at}: {exc} (the run file keeps the "
+              f"steps before, and a 'diverged' event)", file=sys.stderr)
     finally:
         trainer.dist.close(finished)
-    if trainer.dist.is_main:
+    if trainer.dist.is_main and not code:
         if trainer.stopped_by is not None:
             print(f"gradscope: stopped after step {trainer.stopped_after} by alert: {trainer.stopped_by.message}")
         print(f"wrote {out}")
@@ -85,8 +91,8 @@ def train_main(argv: Sequence[str]) -> int:
         # (SIGABRT, "terminate called without an active exception"), failing a finished torchrun job.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 def config_from(given: dict[str, Any], config_file: str | None) -> tuple[TrainConfig, dict[str, str]]:

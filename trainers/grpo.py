@@ -244,7 +244,9 @@ class GRPOUpdater:
             coef = torch.tensor([self.kl[s.turn.role] for s in batch], device=ids.device)[:, None]
             token_loss = token_loss + coef * kl
             kl_sum = float((kl.detach() * mask).sum())
-        token_loss = token_loss * mask / max(n_tokens, 1)
+        # where, not a product: a diverged policy's NaN log-probabilities on prompt and padding tokens must not
+        # become NaN losses of no agent (the gradient is non-finite anyway: the `nonfinite` alert says so)
+        token_loss = torch.where(mask, token_loss, 0.0) / max(n_tokens, 1)
         n_clipped = float((((ratio - clipped).abs() > 0) & mask).sum())
         return (token_loss, agent_ids), np.array([float(token_loss.detach().sum()), n_clipped, kl_sum])
 

@@ -10,6 +10,11 @@ from gradscope.trainers.policy import PolicyMap
 from gradscope.trainers.workflows.base import Sample
 
 
+class Diverged(RuntimeError):
+    """The policy cannot be sampled: its next-token probabilities are not finite (NaN / inf), e.g. after
+    an optimizer step at far too high a learning rate."""
+
+
 class Sampler:
     """``sampler(role, prompts) -> samples``: the ``Generate`` callable workflows use.
 
@@ -40,8 +45,13 @@ class Sampler:
         enc = {k: v.to(self.model.device) for k, v in enc.items()}
         sampling = dict(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0) \
             if self.temperature > 0 else dict(do_sample=False)
-        ids = self.model.generate(**enc, max_new_tokens=limit, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=self.eos, **sampling)
+        try:
+            ids = self.model.generate(**enc, max_new_tokens=limit, pad_token_id=self.tokenizer.pad_token_id,
+                                      eos_token_id=self.eos, **sampling)
+        except RuntimeError as exc:  # torch.multinomial's, on NaN / inf probabilities
+            if "probability tensor contains" not in str(exc):
+                raise
+            raise Diverged("the policy's next-token probabilities are not finite (NaN or inf); lower --lr") from None
         width = enc["input_ids"].shape[1]
         samples = []
         for row, mask, gen in zip(enc["input_ids"], enc["attention_mask"], ids[:, width:].tolist()):

@@ -42,7 +42,7 @@ from gradscope.trainers.models import DTYPES, LoraSpec, attach_adapters, check_m
 from gradscope.trainers.per_role import role_values
 from gradscope.trainers.policy import parse_policy
 from gradscope.trainers.reward import Scorer, solver_answer
-from gradscope.trainers.rollout import Sampler
+from gradscope.trainers.rollout import Diverged, Sampler
 from gradscope.trainers.sandbox import unavailable_reason
 from gradscope.trainers.tasks import check_answer, tasks_for
 from gradscope.trainers.tasks.base import Task, TaskSet, same_tasks
@@ -210,6 +210,7 @@ class Trainer:
         self.resume_from = check_checkpoints(cfg, self.tasks)
         self.echo = echo  # where alert lines go (None: standard error)
         self.stopped_by: Alert | None = None  # the alert whose ``stop`` ended the run
+        self.diverged_at: int | None = None  # the step at which the policy could no longer be sampled
         self.stopped_after = 0                 # ... after this training step
         self.cfg = cfg = cfg.resolved()
         # One thread for the testbed: its hidden-128 matrices gain nothing from a second, and OpenMP
@@ -302,31 +303,37 @@ class Trainer:
         if sinks:
             writer = SinkWriter(writer, sinks, writer.meta.agents, writer.meta.agent_roles)
         monitor.writer = writer if dist.is_main else None
+        step = done or 0
         with writer:
-            if done is None:
-                phase("base evaluation")
-                evals = self.evaluate()
-                writer.log_eval(0, evals)
-                monitor.evals(0, evals)
-                if on_step is not None:
-                    on_step(0, {"eval_accuracy": evals["accuracy"]})
-                if self._after(0, monitor, writer, ckpt_dir, scheduled=True):
-                    return out  # stopped by the base evaluation: nothing trained
-            for step in range((done or 0) + 1, cfg.steps + 1):
-                phase("training")
-                metrics = self.train_step(step, writer, monitor)
-                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
-                    phase("evaluation")
+            try:
+                if done is None:
+                    phase("base evaluation")
                     evals = self.evaluate()
-                    writer.log_eval(step, evals)
-                    monitor.evals(step, evals)
-                    metrics["eval_accuracy"] = evals["accuracy"]
-                scheduled = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps
-                stop = self._after(step, monitor, writer, ckpt_dir, scheduled=bool(scheduled))
-                if on_step is not None:
-                    on_step(step, metrics)
-                if stop:
-                    break
+                    writer.log_eval(0, evals)
+                    monitor.evals(0, evals)
+                    if on_step is not None:
+                        on_step(0, {"eval_accuracy": evals["accuracy"]})
+                    if self._after(0, monitor, writer, ckpt_dir, scheduled=True):
+                        return out  # stopped by the base evaluation: nothing trained
+                for step in range((done or 0) + 1, cfg.steps + 1):
+                    phase("training")
+                    metrics = self.train_step(step, writer, monitor)
+                    if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.steps:
+                        phase("evaluation")
+                        evals = self.evaluate()
+                        writer.log_eval(step, evals)
+                        monitor.evals(step, evals)
+                        metrics["eval_accuracy"] = evals["accuracy"]
+                    scheduled = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or step == cfg.steps
+                    stop = self._after(step, monitor, writer, ckpt_dir, scheduled=bool(scheduled))
+                    if on_step is not None:
+                        on_step(step, metrics)
+                    if stop:
+                        break
+            except Diverged as exc:  # the run cannot go on: say so in the file, which the writer then closes
+                self.diverged_at = step
+                writer.log_event(step, "diverged", str(exc), severity="error")
+                raise
         return out
 
     def _open_sinks(self, stack: ExitStack) -> list[Sink]:
@@ -375,7 +382,7 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.task_rng.sample(self.tasks.train, min(cfg.tasks_per_step, len(self.tasks.train)))
         mine = self.dist.shard(batch)  # whole GRPO groups stay on one rank
-        episodes = self.workflow.run([t for t in mine for _ in range(cfg.grpo.group_size)], self.sampler)
+        episodes = self._sampled([t for t in mine for _ in range(cfg.grpo.group_size)])
         self.scorer.score(episodes)
         t1 = time.perf_counter()
         probed = (step - 1) % cfg.probe_every == 0 and cfg.probe != "none"
@@ -403,9 +410,22 @@ class Trainer:
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):  # evaluation must not move training's RNG streams
             torch.manual_seed(self.cfg.seed + 1_000_003 + self.dist.rank)
-            episodes = self.workflow.run(self.dist.shard(self.tasks.held_out), self.sampler)
+            episodes = self._sampled(self.dist.shard(self.tasks.held_out))
         self.scorer.score(episodes)
         return _episode_metrics(self._everyone(episodes), prefix="")
+
+    def _sampled(self, tasks: list) -> list[Episode]:
+        """The workflow's episodes on ``tasks`` (this rank's); when the policy cannot be sampled on any rank
+        (:class:`Diverged`), every rank raises it (no rank left waiting in the next collective)."""
+        try:
+            episodes, failed = self.workflow.run(tasks, self.sampler), None
+        except Diverged as exc:
+            episodes, failed = [], str(exc)
+        if self.dist.active:
+            failed = next((f for f in self.dist.gather(failed) if f is not None), None)
+        if failed is not None:
+            raise Diverged(failed)
+        return episodes
 
     def _everyone(self, episodes: list[Episode]) -> list[Episode]:
         """Every rank's episodes (rank order), for metrics over the whole step or held-out set."""

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from gradscope.runfile import open_run
+from gradscope.runfile.progress import run_progress
+from gradscope.trainers.grpo import GRPOConfig
 from gradscope.trainers.train import Trainer
 
 from .test_train import GRADSCOPE, small
@@ -94,6 +96,35 @@ def test_nonfinite_fires_on_an_injected_nan_gradient(tmp_path):
     assert any("non-finite" in line for line in lines)
     # the optimizer skipped the NaN step: the adapters are still finite
     assert all(torch.isfinite(p).all() for n, p in trainer.model.named_parameters() if ".lora_" in n)
+
+
+def test_nonfinite_stops_a_run_whose_forward_turned_nan(tmp_path):
+    """lr 1e6: step 1 leaves the weights finite but huge, step 2's log-probabilities are NaN, also on prompt
+    and padding tokens, whose loss is masked out (it was multiplied by 0: NaN, which the probe refused as
+    loss of no agent, exit 2). Now the gradient is NaN, the optimizer step skipped, `nonfinite` fires."""
+    cfg = small(tmp_path, steps=4, eval_every=0, grpo=GRPOConfig(group_size=4, lr=1e6), alert=["nonfinite: stop"])
+    trainer = Trainer(cfg, echo=lambda line: None)
+    trainer.run()
+    assert trainer.stopped_by is not None and trainer.stopped_by.rule.statistic == "nonfinite"
+    with open_run(cfg.out) as run:
+        assert run.closed and run.events["kind"].tolist()[-1] == "stop"
+        assert not np.isfinite(run.gram[run.step == trainer.stopped_after]).all()
+
+
+def test_a_policy_that_cannot_be_sampled_ends_the_run_with_one_line(tmp_path):
+    """lr 1e20: step 2's rollout draws from NaN probabilities (torch.multinomial raised, a traceback and exit 1
+    with no trace in the run file). Now: one line, exit 1, a `diverged` event, the file closed and unfinished."""
+    out = tmp_path / "run.h5"
+    proc = subprocess.run([*GRADSCOPE, "train", "--steps", "4", "--tasks-per-step", "2", "--group-size", "2",
+                           "--n-held-out", "4", "--n-train", "20", "--eval-every", "0", "--lr", "1e20",
+                           "--out", str(out), "--alert", "nonfinite: stop"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("gradscope: error:")]
+    assert len(errors) == 1 and "training diverged at step 2" in errors[0] and "Traceback" not in proc.stderr
+    with open_run(out) as run:
+        assert run.closed and sorted(set(run.step)) == [1]
+        assert run.events["kind"].tolist()[-1] == "diverged" and run.events["step"].tolist()[-1] == 2
+    assert run_progress(out).unfinished() == "closed at step 1 of 4"
 
 
 @pytest.mark.parametrize("args, message", [
