@@ -3,7 +3,8 @@ stopped it — and so whether the run finished.
 
 A writer closes its file on every orderly exit, a SIGTERM included, so "closed" alone does not mean
 "finished": a run is finished when it is closed and reached the steps it was asked for (``steps`` of
-its stored config, or the caller's), or ended with an alert's ``stop`` event. How far it got is its
+its stored config, or the caller's), or ended with an alert's ``stop`` event (not followed by a
+``resume``: a stopped run resumed with more steps must reach them). How far it got is its
 last ``/metrics`` row's step, or, in a file without metrics rows (a loop that logs only gradient
 records), its last gradient record's step.
 """
@@ -19,7 +20,7 @@ from gradscope.errors import GradscopeError
 class RunProgress:
     last_step: int        # last training step with metrics; without metrics rows, with a record (0 if none)
     closed: bool          # the writer closed the file
-    stopped: bool         # an alert's ``stop`` event ended the run
+    stopped: bool         # an alert's ``stop`` event ended the run (one after the last ``resume`` event)
     config: dict | None   # the stored config (None when the file could not be read)
     versions: dict | None = None  # the stored versions (``versions["tasks"]``: the tasks' fingerprint)
     error: str | None = None      # why the file could not be read (None when it could)
@@ -55,8 +56,10 @@ def run_progress(path: str | os.PathLike) -> RunProgress:
                 last = int(rows[-1]["step"])
             else:
                 last = int(run.read("step", -1)[0]) if run.n_steps else 0
-            kinds = run.read_table("events")["kind"] if run.n_events else []
-            stopped = any((k.decode() if isinstance(k, bytes) else str(k)) == "stop" for k in kinds)
+            kinds = [k.decode() if isinstance(k, bytes) else str(k)
+                     for k in (run.read_table("events")["kind"] if run.n_events else [])]
+            # a stop counts until a resume continues the run (a resumed run may be killed before its end)
+            stopped = next((k == "stop" for k in reversed(kinds) if k in ("stop", "resume")), False)
             return RunProgress(last, run.closed, stopped, dict(run.meta.config), dict(run.meta.versions))
     except (GradscopeError, OSError, KeyError, ValueError) as exc:
         return RunProgress(0, False, False, None, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

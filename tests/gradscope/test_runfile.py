@@ -17,6 +17,7 @@ import pytest
 from gradscope.errors import RunFileError
 from gradscope.runfile import SCHEMA_VERSION, RunMeta, RunReader, RunWriter, open_run
 from gradscope.runfile.info import render_info
+from gradscope.runfile.progress import run_progress
 from gradscope.runfile.writer import RESUME_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -706,3 +707,22 @@ def test_read_table_from_an_offset(tmp_path):
         assert len(whole) == 5
         np.testing.assert_array_equal(run.read_table("evals", start=2), whole[2:])
         assert len(run.read_table("evals", start=9)) == 0
+
+
+def test_a_stop_counts_until_a_resume(tmp_path):
+    """A run an alert stopped is finished; resumed with more steps and then killed (closed by SIGTERM
+    before its end) it is not: the old `stop` event no longer counts (it did, and a sweep skipped it)."""
+    path = tmp_path / "run.h5"
+    with RunWriter(path, RunMeta(agents=["a"], agent_roles=["solo"], config={"steps": 10})) as w:
+        for step in (1, 2):
+            w.log_metrics(step, {"x": 1.0})
+        w.log_event(2, "stop", "stopped after step 2")
+    assert run_progress(path).stopped and run_progress(path).finished()
+    with RunWriter.resume(path, keep_below_step=3) as w:
+        w.log_metrics(3, {"x": 1.0})
+    progress = run_progress(path)
+    assert not progress.stopped and progress.unfinished() == "closed at step 3 of 10"
+    with RunWriter.resume(path, keep_below_step=4) as w:
+        w.log_metrics(4, {"x": 1.0})
+        w.log_event(4, "stop", "stopped after step 4")
+    assert run_progress(path).finished()
