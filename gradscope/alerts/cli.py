@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 from collections.abc import Sequence
 
@@ -33,6 +34,8 @@ def watch_main(args: argparse.Namespace) -> int:
     from gradscope.errors import RunFileError
     from gradscope.runfile import open_run
 
+    # Ctrl-C always interrupts (exit 130), also when this process inherited SIGINT ignored (nohup, `&` in a script)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rules = collect_rules(args.alert, args.alerts, args.default_alerts)
     deadline = time.monotonic() + args.wait
     while True:  # a missing or broken file fails here, as one line (after --wait seconds of retries)

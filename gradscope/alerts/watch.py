@@ -15,6 +15,7 @@ import numpy as np
 from gradscope.alerts.engine import Alert
 from gradscope.alerts.monitor import Monitor
 from gradscope.alerts.rules import Rule
+from gradscope.errors import RunFileError
 from gradscope.runfile import RunReader, open_run, schema
 
 
@@ -78,29 +79,57 @@ class Follower:
 def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 0.0,
           echo: Callable[[str], object] = print) -> list[Alert]:
     """Follow ``path`` until its writer closes it (or nothing new arrives for ``idle`` seconds,
-    when ``idle`` > 0); returns every alert fired. Alerts are printed through ``echo``."""
-    with open_run(path) as run:
+    when ``idle`` > 0); returns every alert fired. Alerts are printed through ``echo``.
+
+    When the path comes to name another file (``gradscope train --resume`` renames a new file over it;
+    ``--overwrite`` starts another run), the new file is followed: its steps before its last ``resume``
+    event are replayed with actions muted, as the resumed trainer replays them, then followed as usual."""
+    def follow(run: RunReader) -> Follower:
         meta = run.meta
-        follower = Follower(run, Monitor(rules, meta.agents, meta.agent_roles, policies=meta.policies, echo=echo,
-                                         update_unit=meta.update_unit))
-        echo(f"watching {path}: {len(meta.agents)} agents, roles {', '.join(dict.fromkeys(meta.agent_roles))}; "
+        return Follower(run, Monitor(rules, meta.agents, meta.agent_roles, policies=meta.policies, echo=echo,
+                                     update_unit=meta.update_unit))
+
+    run = open_run(path)
+    try:
+        follower, fired = follow(run), []
+        echo(f"watching {path}: {len(run.meta.agents)} agents, roles {', '.join(dict.fromkeys(run.meta.agent_roles))}; "
              f"{len(rules)} rules")
         quiet_since = time.monotonic()
         while True:
             before = dict(follower.next)
             follower.poll()
-            if run.closed:
+            if run.closed and not run.replaced():
                 last = "no step" if follower.last_step < 0 else f"last step {follower.last_step}"
-                echo(f"writer closed {path} ({last}): "
-                     f"{len(follower.monitor.fired)} alerts")
-                return follower.monitor.fired
+                fired += follower.monitor.fired
+                echo(f"writer closed {path} ({last}): {len(fired)} alerts")
+                return fired
+            if run.replaced():
+                try:
+                    new = open_run(path)
+                except RunFileError:  # not readable yet (a writer that has not started SWMR mode): next poll
+                    time.sleep(poll)
+                    continue
+                run.close()
+                run, fired = new, fired + follower.monitor.fired
+                follower = follow(run)
+                events = run.events
+                resumes = events["step"][events["kind"] == "resume"]
+                start = int(resumes.iloc[-1]) if len(resumes) else 0
+                with follower.monitor.muted():
+                    follower.poll(below_step=start)
+                echo(f"{path} was replaced: following the new file from step {start}")
+                quiet_since = time.monotonic()
+                continue
             if follower.next != before:
                 quiet_since = time.monotonic()
             elif idle > 0 and time.monotonic() - quiet_since >= idle:
+                fired += follower.monitor.fired
                 echo(f"nothing new in {path} for {idle:g} s and the writer has not closed it (killed?); "
-                     f"{len(follower.monitor.fired)} alerts")
-                return follower.monitor.fired
+                     f"{len(fired)} alerts")
+                return fired
             time.sleep(poll)
+    finally:
+        run.close()
 
 
 def catch_up(path: str, monitor: Monitor, below_step: int) -> None:

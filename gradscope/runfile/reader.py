@@ -567,6 +567,17 @@ class RunReader:
         records = np.bincount(np.searchsorted(step, self.step), minlength=len(step))
         return pd.DataFrame({"step": step.astype(np.int64), "records": records.astype(np.int64), **per_step})
 
+    def replaced(self) -> bool:
+        """Whether the path now names another file than the one open here: a ``--resume`` (or an
+        ``--overwrite``) writes a new file and renames it over the path, and a follower of the old one
+        would never see another row."""
+        try:
+            now = os.stat(self.path)
+        except OSError:  # gone for now: nothing to switch to
+            return False
+        opened = os.fstat(self._f.id.get_vfd_handle())
+        return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
+
     # --- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -415,6 +415,56 @@ def test_watch_follows_a_live_writer(tmp_path):
     assert out[-1].startswith(f"writer closed {run} (last step 40): 1 alerts")
 
 
+RESUMING_WRITER = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from gradscope.runfile import RunMeta, RunWriter
+    path, resume = sys.argv[1], sys.argv[2] == "resume"
+    rng = np.random.default_rng(1 if resume else 0)
+
+    def log(w, step):  # the voters align from step 8 of the resumed run only
+        G = rng.normal(size=(4, 32)) + (3.0 if resume and step >= 8 else 0.0) * np.ones(32)
+        w.log_step(step, G @ G.T, np.full(4, 10))
+        w.flush()
+        time.sleep(0.05)
+
+    if resume:
+        with RunWriter.resume(path, keep_below_step=6) as w:
+            for step in range(6, 13):
+                log(w, step)
+    else:
+        meta = RunMeta(agents=["v1", "v2", "v3", "agg"], agent_roles=["voter"] * 3 + ["aggregator"],
+                       roles=["voter", "aggregator"])
+        w = RunWriter(path, meta, flush_every=1)
+        for step in range(1, 11):
+            log(w, step)
+        os._exit(0)  # killed: the file is never closed
+""")
+
+
+def test_watch_follows_a_resumed_run_to_its_end(tmp_path):
+    """--resume renames a new file over the path: watch switches to it (it polled the deleted file for ever),
+    replays the kept steps muted and fires on the resumed steps."""
+    run, script = tmp_path / "run.h5", tmp_path / "writer.py"
+    script.write_text(RESUMING_WRITER)
+    assert subprocess.run([sys.executable, str(script), str(run), "new"], timeout=120).returncode == 0
+    watch = subprocess.Popen([*GRADSCOPE, "watch", str(run), "--poll", "0.05", "--no-default-alerts",
+                              "--alert", "coherence[voter] > 0.9 for 3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert watch.stdout.readline().startswith("watching")
+        time.sleep(1.0)
+        assert watch.poll() is None  # the killed file: still waiting
+        assert subprocess.run([sys.executable, str(script), str(run), "resume"], timeout=120).returncode == 0
+        rest, _ = watch.communicate(timeout=60)
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, rest
+    lines = rest.splitlines()
+    assert f"{run} was replaced: following the new file from step 6" in lines
+    assert [line.split(":")[0] for line in lines if "alert at step" in line] == ["gradscope alert at step 10"]
+    assert lines[-1] == f"writer closed {run} (last step 12): 1 alerts"
+
+
 def test_watch_replays_a_finished_run_like_the_monitor(tmp_path):
     """watch on a closed file fires on the same steps as a Monitor fed while writing."""
     rng = np.random.default_rng(3)
@@ -534,3 +584,23 @@ def test_watch_on_a_closed_file_without_steps_says_so(tmp_path):
     out: list[str] = []
     watch(str(tmp_path / "r.h5"), [parse_rule("acc_drop > 0.05")], poll=0.01, echo=out.append)
     assert out[-1] == f"writer closed {tmp_path / 'r.h5'} (no step): 0 alerts"
+
+
+def test_watch_started_with_sigint_ignored_still_stops_on_it(tmp_path):
+    """`nohup` or `&` in a script start a process with SIGINT ignored: watch put Python's handler back only
+    when it found one, so it never stopped on SIGINT."""
+    import signal
+
+    run, script = tmp_path / "run.h5", tmp_path / "writer.py"
+    script.write_text(RESUMING_WRITER)
+    assert subprocess.run([sys.executable, str(script), str(run), "new"], timeout=120).returncode == 0  # killed
+    watch = subprocess.Popen([*GRADSCOPE, "watch", str(run), "--poll", "0.05"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert watch.stdout.readline().startswith("watching")
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert watch.returncode == 130 and err.strip() == "gradscope: interrupted", err
