@@ -81,9 +81,6 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
         raise ConfigError(f"--log-to {cfg.log_to!r} names no dashboard; use one or more of tensorboard,wandb,mlflow")
     if cfg.log_dir is not None and not sinks:
         raise ConfigError("--log-dir is the folder of the --log-to dashboards, and --log-to names none")
-    writer = os.environ.get("RANK", "0") == "0"  # global rank 0 alone writes: other nodes may not see its folders
-    for name in sinks if writer else ():  # a missing extra or an unusable --log-dir before the run file exists
-        check_sink(name, log_folder(cfg) / name, new=not cfg.resume)
     if cfg.probe not in PROBE_SPECS:
         raise ConfigError(f"unknown --probe {cfg.probe!r}; use one of {PROBE_SPECS}")
     for name in PER_ROLE:
@@ -108,8 +105,8 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
     out = Path(cfg.out)
     if cfg.resume and not os.path.lexists(out):  # every rank reads it (and the checkpoint) to resume
         raise ConfigError(f"--resume: {out} does not exist")
-    if writer:
-        check_out(cfg, out)
+    if world_size_from_env() == 1:  # under torchrun rank 0 checks after the rendezvous (check_writer)
+        check_writer(cfg)
     if cfg.task_file:  # a FIFO or a device would block or never end; a missing file: the loader says so
         with suppress(OSError):
             kind = kind_of(os.stat(cfg.task_file).st_mode)
@@ -122,6 +119,14 @@ def validate(cfg: TrainConfig) -> tuple[type[Workflow], TaskSet, list[Rule]]:
             raise ConfigError(f"code tasks run generated programs, and {reason}; "
                               "pass --unsafe-sandbox to run them anyway (docs/sandbox.md)")
     return workflow, tasks, rules
+
+
+def check_writer(cfg: TrainConfig) -> None:
+    """What only the writer (global rank 0) can check: its dashboards (a missing extra, an unusable
+    ``--log-dir``) and the run file; other nodes may not see its folders."""
+    for name in parse_sinks(cfg.log_to):
+        check_sink(name, log_folder(cfg) / name, new=not cfg.resume)
+    check_out(cfg, Path(cfg.out))
 
 
 def check_out(cfg: TrainConfig, out: Path) -> None:
@@ -217,6 +222,16 @@ class Trainer:
         # barriers stall every small op on a shared machine (2x slower with two threads, docs/training.md).
         torch.set_num_threads(cfg.threads)
         self.dist = dist = Dist.from_env(cfg.dist_timeout)  # a rendezvous: every rank has validated
+        if dist.active:  # rank 0's checks of its run file and dashboards: every rank fails alike (none left waiting)
+            error = None
+            if dist.is_main:
+                try:
+                    check_writer(cfg)
+                except ConfigError as exc:
+                    error = str(exc)
+            if (error := dist.broadcast(error)) is not None:
+                dist.close(finished=False)
+                raise ConfigError(error)
         self.verbose = verbose and dist.is_main
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)

@@ -101,6 +101,20 @@ def _rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
+def test_a_run_file_only_rank_0_can_refuse_fails_every_rank_at_once(tmp_path):
+    """Only rank 0 checks --out: it exited 2 while rank 1 waited in the rendezvous, until torchrun killed it
+    ~30 s later, silent. Now rank 0 checks after the rendezvous and every rank prints the line, exit 2."""
+    out = tmp_path / "exists.h5"
+    out.write_bytes(b"")
+    t0 = time.time()
+    job = subprocess.run(torchrun("--steps", "2", "--out", str(out)), capture_output=True, text=True, timeout=300)
+    took = time.time() - t0
+    line = f"gradscope: error: {out} already exists (pass --overwrite to replace it, or --resume)"
+    assert job.stderr.count(line) == 2 and job.stderr.count("gradscope: error:") == 2  # (may share a line)
+    assert job.stderr.count("exitcode  : 2") == 2 and took < 25, job.stderr  # (the traceback there is torchrun's)
+    assert out.read_bytes() == b""
+
+
 def test_a_killed_rank_ends_the_job_without_hanging(tmp_path):
     out = tmp_path / "ddp.h5"
     job = subprocess.Popen(torchrun("--steps", "500", "--eval-every", "0", "--out", str(out)),
