@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from gradscope.alerts.rules import DEFAULT_RULES, Rule, load_rules, parse_rule
+from gradscope.errors import ConfigError
 
 
 def add_alert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,11 +22,15 @@ def add_alert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def collect_rules(texts: Sequence[str], file: str | None, defaults: bool) -> list[Rule]:
     """Default rules (unless turned off), then the file's, then ``--alert`` ones. ConfigError on a
-    bad rule or file."""
+    bad rule or file (for an ``--alert`` rule, ``--alert: <why>``: a config file's location can follow)."""
     rules = list(DEFAULT_RULES) if defaults else []
     if file:
         rules += load_rules(file)
-    rules += [parse_rule(t) for t in texts]
+    for text in texts:
+        try:
+            rules.append(parse_rule(text))
+        except ConfigError as exc:
+            raise ConfigError(f"--alert: {exc}") from None
     return rules
 
 

@@ -324,6 +324,7 @@ def test_config_file_with_flags_over_it(tmp_path, capsys):
     ("steps: [3\n", "not valid YAML"),
     ("seed: 1\nsteps: 0\n", "--steps must be a whole number >= 1, got 0 (", ),
     ("workflow: debate\n", "unknown workflow 'debate'"),
+    ("steps: 2\nalert: ['acc_drop > nan']\n", "--alert: bad alert rule 'acc_drop > nan': at column 12"),
 ])
 def test_bad_config_file_is_one_line_with_its_location(tmp_path, capsys, forbid_model, text, message):
     cfg = tmp_path / "run.yaml"
@@ -332,7 +333,7 @@ def test_bad_config_file_is_one_line_with_its_location(tmp_path, capsys, forbid_
     assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "run.h5")]) == 2
     line = one_error_line(capsys)
     assert message in line, line
-    if "must be" in message:
+    if "must be" in message or "alert" in message:
         assert line.endswith("run.yaml:2)"), line
     assert not (tmp_path / "run.h5").exists()
 
