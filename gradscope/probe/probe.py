@@ -46,7 +46,7 @@ from gradscope.probe.method import GramMethod, token_terms
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
 from gradscope.probe.store import FlatStore, Store, accumulation_dtype
-from gradscope.probe.updates import UNITS, UpdateAttribution, UpdateResult
+from gradscope.probe.updates import UNITS, UpdateAttribution, UpdateResult, covered_params
 from gradscope.runfile.schema import PROBE_METHODS
 
 #: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
@@ -161,6 +161,8 @@ class Probe:
                              + (" (auto: some probed parameters are not nn.Linear / nn.Embedding weights)"
                                 if method == "auto" else ""))
         params_only = [p for _, p in named]
+        if optimizer is not None:  # refused before this probe takes over any layer (and closes an older probe's)
+            _check_attachable(optimizer, params_only, grad_reduced)
         if self.process_group is not None:
             check_same_setup(self.process_group, {
                 "agents": self.agents, "roles": self.agent_roles, "parameter names": self.param_names,
@@ -243,9 +245,7 @@ class Probe:
         """
         if self._open:
             raise ProbeError("attach the optimizer between probed steps")
-        if self.grad_reduced:  # .grad is reduced or sharded by the framework: c and the split would not follow it
-            raise ProbeError("update attribution is unavailable with grad_reduced=True (FSDP, DDP reducing .grad "
-                             "in the backward): it reads the optimizer's gradient and state as this rank's own")
+        _check_attachable(optimizer, self.params, self.grad_reduced)
         if self._updates is None:
             self._updates = UpdateAttribution(self, self._method.store, unit)
             self._method.store = self._updates.store  # per-agent gradients must be kept for the optimizer step
@@ -313,6 +313,14 @@ class Probe:
             return self._index[agent]
         except KeyError:
             raise ProbeError(f"unknown agent {agent!r}; declared agents are {self.agents}") from None
+
+
+def _check_attachable(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], grad_reduced: bool) -> None:
+    """ProbeError when update attribution cannot follow ``optimizer`` over ``params``."""
+    if grad_reduced:  # .grad is reduced or sharded by the framework: c and the split would not follow it
+        raise ProbeError("update attribution is unavailable with grad_reduced=True (FSDP, DDP reducing .grad "
+                         "in the backward): it reads the optimizer's gradient and state as this rank's own")
+    covered_params(optimizer, params)
 
 
 class ProbeStep:

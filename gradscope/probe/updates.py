@@ -359,12 +359,19 @@ class UpdateAttribution:
             tracker.moments = {i: m.to(self.params[i].device, self.store.dtype) for i, m in moments.items()}
 
 
-def _check_adam(optimizer: Any) -> None:
+def covered_params(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> list[int]:
+    """The indices of ``params`` that ``optimizer`` updates; ProbeError unless it is a torch Adam / AdamW
+    that updates some of them."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ProbeError(f"update attribution needs a torch optimizer, got {type(optimizer).__name__}")
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ProbeError(f"update attribution is unavailable for {type(optimizer).__name__}: it follows the "
                          "moments of torch.optim.AdamW / Adam only (their update is linear in the first moment)")
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    covered = [i for i, p in enumerate(params) if id(p) in mine]
+    if not covered:
+        raise ProbeError("the optimizer updates none of the probed parameters")
+    return covered
 
 
 def _at(t: torch.Tensor, coords: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
@@ -378,12 +385,8 @@ class AdamTracker:
     optimizer's own step hooks."""
 
     def __init__(self, owner: UpdateAttribution, optimizer: torch.optim.Optimizer) -> None:
-        _check_adam(optimizer)
+        self.covered = covered_params(optimizer, owner.params)
         self.owner, self.optimizer = owner, optimizer
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.covered = [i for i, p in enumerate(owner.params) if id(p) in mine]
-        if not self.covered:
-            raise ProbeError("the optimizer updates none of the probed parameters")
         self.moments: dict[int, torch.Tensor] = {}   # param index → (U + 1, m_i): units, then Adam's L2 term
         self.consumed = 0                             # pending_id of the last probed step used
         self._before: dict[int, tuple[torch.Tensor, float]] = {}

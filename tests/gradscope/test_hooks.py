@@ -980,6 +980,28 @@ def test_a_step_handle_after_its_block_and_a_second_probe():
     Probe(model, AGENTS, ROLES, method="hooks").close()  # the closed one no longer holds the layers: no warning
 
 
+def test_a_probe_that_cannot_be_built_leaves_the_open_one_alone():
+    """Probe(..., optimizer=SGD) raises; it closed the older probe on the same layers first (its next step
+    raised) and left its own forwards installed. Now the optimizer is refused before any layer is taken."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = make_mlp()
+    x, rows = torch.randn(4, 5), [0, 1, 2, 3]
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    installed = {name: vars(m).get("forward") for name, m in model.named_modules()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "older probe is closed"
+        for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(nn.Linear(2, 2).parameters())):
+            with pytest.raises(ProbeError, match="unavailable for SGD|updates none of the probed parameters"):
+                Probe(model, AGENTS, ROLES, method="hooks", optimizer=optimizer)
+    assert {name: vars(m).get("forward") for name, m in model.named_modules()} == installed
+    with probe.step(0) as s:
+        s.backward_rows(model(x).sum(1), rows)
+    terms = {a: model(x).sum(1)[k] for k, a in enumerate(AGENTS)}
+    assert rel_err(s.result.gram, brute_force_gram(terms, list(model.parameters()))) < 1e-5
+
+
 def test_agent_ids_must_be_integers_and_check_every_not_a_bool():
     model = make_mlp()
     with pytest.raises(ProbeError, match="check_every must be None or an integer"):
