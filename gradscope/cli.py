@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="sweep file (.yaml)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (one torch thread each)")
     p.add_argument("--out", default=None, help="output folder (default: sweeps/out/<config name>)")
-    p.add_argument("--dry-run", action="store_true", help="check the file and list the cells' commands only")
+    p.add_argument("--dry-run", action="store_true", help="check the file and list the cells' commands only (without it: run the cells)")
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("export", help="send a run's statistics, alerts and findings to TensorBoard, W&B or MLflow",
