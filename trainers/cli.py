@@ -77,8 +77,8 @@ def train_main(argv: Sequence[str]) -> int:
         finished = True
     except Diverged as exc:  # every rank raises it (Trainer._sampled): each ends with the line, after the others
         finished, code = True, 1
-        print(f"gradscope: error: training diverged at step {trainer.diverged_at}: {exc} (the run file keeps the "
-              f"steps before, and a 'diverged' event)", file=sys.stderr)
+        print(f"gradscope: error: training diverged at step {trainer.diverged_at}: {exc} (the run file keeps what "
+              f"was written before, and a 'diverged' event)", file=sys.stderr)
     finally:
         trainer.dist.close(finished)
     if trainer.dist.is_main and not code:

@@ -726,3 +726,19 @@ def test_a_stop_counts_until_a_resume(tmp_path):
         w.log_metrics(4, {"x": 1.0})
         w.log_event(4, "stop", "stopped after step 4")
     assert run_progress(path).finished()
+
+
+def test_a_diverged_run_is_unfinished_whatever_step_it_reached(tmp_path):
+    """A run whose last step's evaluation diverged wrote that step's metrics: it read as finished (a sweep
+    skipped it). A resume that then reaches the end finishes it."""
+    path = tmp_path / "run.h5"
+    with RunWriter(path, RunMeta(agents=["a"], agent_roles=["solo"], config={"steps": 2})) as w:
+        for step in (1, 2):
+            w.log_metrics(step, {"x": 1.0})
+        w.log_event(2, "diverged", "the policy's next-token probabilities are not finite", severity="error")
+    progress = run_progress(path)
+    assert progress.diverged and not progress.finished()
+    assert progress.unfinished() == "diverged (its policy could no longer be sampled)"
+    with RunWriter.resume(path, keep_below_step=2) as w:
+        w.log_metrics(2, {"x": 1.0})
+    assert run_progress(path).finished()

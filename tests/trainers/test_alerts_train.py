@@ -124,7 +124,7 @@ def test_a_policy_that_cannot_be_sampled_ends_the_run_with_one_line(tmp_path):
     with open_run(out) as run:
         assert run.closed and sorted(set(run.step)) == [1]
         assert run.events["kind"].tolist()[-1] == "diverged" and run.events["step"].tolist()[-1] == 2
-    assert run_progress(out).unfinished() == "closed at step 1 of 4"
+    assert run_progress(out).unfinished() == "diverged (its policy could no longer be sampled)"
 
 
 @pytest.mark.parametrize("args, message", [
