@@ -25,7 +25,7 @@ import torch
 from gradscope.alerts import Alert, Monitor, Rule, check_selectors
 from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
-from gradscope.errors import ConfigError, GradscopeWarning
+from gradscope.errors import ConfigError, GradscopeError, GradscopeWarning
 from gradscope.paths import kind_of
 from gradscope.integrations.sinks import Sink, SinkWriter, check_sink, open_sink, parse_sinks
 from gradscope.peft_support import adapter_parameters
@@ -227,7 +227,7 @@ class Trainer:
             if dist.is_main:
                 try:
                     check_writer(cfg)
-                except ConfigError as exc:
+                except GradscopeError as exc:  # ConfigError, or RunFileError (--overwrite onto a file no run's)
                     error = str(exc)
             if (error := dist.broadcast(error)) is not None:
                 dist.close(finished=False)

@@ -101,16 +101,21 @@ def _rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-def test_a_run_file_only_rank_0_can_refuse_fails_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("overwrite, message", [
+    (False, "{out} already exists (pass --overwrite to replace it, or --resume)"),
+    (True, "{out}: not a gradscope run file; refusing to replace it"),  # a RunFileError, not a ConfigError
+])
+def test_a_run_file_only_rank_0_can_refuse_fails_every_rank_at_once(tmp_path, overwrite, message):
     """Only rank 0 checks --out: it exited 2 while rank 1 waited in the rendezvous, until torchrun killed it
     ~30 s later, silent. Now rank 0 checks after the rendezvous and every rank prints the line, exit 2."""
     out = tmp_path / "exists.h5"
     out.write_bytes(b"")
     t0 = time.time()
-    job = subprocess.run(torchrun("--steps", "2", "--out", str(out)), capture_output=True, text=True, timeout=300)
+    job = subprocess.run(torchrun("--steps", "2", "--out", str(out), *(["--overwrite"] if overwrite else [])),
+                         capture_output=True, text=True, timeout=300)
     took = time.time() - t0
-    line = f"gradscope: error: {out} already exists (pass --overwrite to replace it, or --resume)"
-    assert job.stderr.count(line) == 2 and job.stderr.count("gradscope: error:") == 2  # (may share a line)
+    line = "gradscope: error: " + message.format(out=out)
+    assert job.stderr.count(line) == 2 and job.stderr.count("gradscope: error:") == 2, job.stderr  # (may share a line)
     assert job.stderr.count("exitcode  : 2") == 2 and took < 25, job.stderr  # (the traceback there is torchrun's)
     assert out.read_bytes() == b""
 
