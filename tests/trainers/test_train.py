@@ -253,14 +253,19 @@ def test_progress_shows_the_base_evaluation_as_its_own_phase(tmp_path, monkeypat
 
 
 def test_only_global_rank_zero_checks_where_it_writes(tmp_path, monkeypatch):
-    """Multi-node: a node other than rank 0's need not see --out's folder (was: every rank checked it)."""
-    from gradscope.trainers.train import validate
+    """Multi-node: a node other than rank 0's need not see --out's folder (was: every rank checked it). Under
+    torchrun no rank checks it before the rendezvous; rank 0 then runs check_writer, and every rank raises its
+    error (test_distributed_train.py)."""
+    from gradscope.trainers.train import check_writer, validate
 
     cfg = TrainConfig(out=str(tmp_path / "elsewhere" / "run.h5"), tasks_per_step=2, n_train=8, n_held_out=4)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
-    validate(cfg)
-    monkeypatch.setenv("RANK", "0")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        validate(cfg)
+    with pytest.raises(ConfigError, match="folder .*elsewhere does not exist"):
+        check_writer(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="folder .*elsewhere does not exist"):
         validate(cfg)
 
