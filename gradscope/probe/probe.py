@@ -46,7 +46,7 @@ from gradscope.probe.method import GramMethod, token_terms
 from gradscope.probe.sketch import Sketch, SketchStore, as_sketch
 from gradscope.probe.split import SplitMethod
 from gradscope.probe.store import FlatStore, Store, accumulation_dtype
-from gradscope.probe.updates import UNITS, UpdateAttribution, UpdateResult, covered_params
+from gradscope.probe.updates import UNITS, UpdateAttribution, UpdateResult, covered_params, unit_names
 from gradscope.runfile.schema import PROBE_METHODS
 
 #: Available ways to measure the Gram; see docs/probe.md. ``method="auto"`` picks one of them.
@@ -162,7 +162,7 @@ class Probe:
                                 if method == "auto" else ""))
         params_only = [p for _, p in named]
         if optimizer is not None:  # refused before this probe takes over any layer (and closes an older probe's)
-            _check_attachable(optimizer, params_only, grad_reduced)
+            _check_attachable(optimizer, params_only, grad_reduced, update_unit, self.roles, self.agents)
         if self.process_group is not None:
             check_same_setup(self.process_group, {
                 "agents": self.agents, "roles": self.agent_roles, "parameter names": self.param_names,
@@ -245,7 +245,7 @@ class Probe:
         """
         if self._open:
             raise ProbeError("attach the optimizer between probed steps")
-        _check_attachable(optimizer, self.params, self.grad_reduced)
+        _check_attachable(optimizer, self.params, self.grad_reduced, unit, self.roles, self.agents)
         if self._updates is None:
             self._updates = UpdateAttribution(self, self._method.store, unit)
             self._method.store = self._updates.store  # per-agent gradients must be kept for the optimizer step
@@ -315,11 +315,13 @@ class Probe:
             raise ProbeError(f"unknown agent {agent!r}; declared agents are {self.agents}") from None
 
 
-def _check_attachable(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], grad_reduced: bool) -> None:
-    """ProbeError when update attribution cannot follow ``optimizer`` over ``params``."""
+def _check_attachable(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], grad_reduced: bool,
+                      unit: str, roles: Sequence[str], agents: Sequence[str]) -> None:
+    """ProbeError when update attribution cannot follow ``optimizer`` over ``params``, split by ``unit``."""
     if grad_reduced:  # .grad is reduced or sharded by the framework: c and the split would not follow it
         raise ProbeError("update attribution is unavailable with grad_reduced=True (FSDP, DDP reducing .grad "
                          "in the backward): it reads the optimizer's gradient and state as this rank's own")
+    unit_names(unit, roles, agents)
     covered_params(optimizer, params)
 
 

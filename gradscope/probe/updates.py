@@ -299,15 +299,10 @@ class UpdateAttribution:
     """
 
     def __init__(self, probe: Probe, store: Store | None, unit: str) -> None:
-        if unit not in UNITS:
-            raise ProbeError(f"update attribution unit must be one of {UNITS}, got {unit!r}")
         self.unit = unit
-        units = probe.roles if unit == "role" else probe.agents
+        units = unit_names(unit, probe.roles, probe.agents)
         owners = probe.agent_roles if unit == "role" else probe.agents
         self.components = (*units, *UPDATE_EXTRAS)
-        clash = set(units) & set(UPDATE_EXTRAS)
-        if clash:
-            raise ProbeError(f"a {unit} may not be named {sorted(clash)[0]!r} (an update component's name)")
         self.params = list(probe.params)
         K = len(probe.agents)
         self.unit_of_agent = torch.zeros(len(units), K, dtype=torch.float64)  # (U, K) 0/1
@@ -357,6 +352,18 @@ class UpdateAttribution:
             raise ProbeError(f"update-attribution state of {len(state)} optimizers for {len(self.trackers)} attached")
         for tracker, moments in zip(self.trackers, state):
             tracker.moments = {i: m.to(self.params[i].device, self.store.dtype) for i, m in moments.items()}
+
+
+def unit_names(unit: str, roles: Sequence[str], agents: Sequence[str]) -> list[str]:
+    """The units updates are split into (``roles`` or ``agents``); ProbeError for an unknown ``unit`` or a unit
+    named like one of the extra components (:data:`UPDATE_EXTRAS`)."""
+    if unit not in UNITS:
+        raise ProbeError(f"update attribution unit must be one of {UNITS}, got {unit!r}")
+    units = list(roles if unit == "role" else agents)
+    clash = set(units) & set(UPDATE_EXTRAS)
+    if clash:
+        raise ProbeError(f"a {unit} may not be named {sorted(clash)[0]!r} (an update component's name)")
+    return units
 
 
 def covered_params(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> list[int]:

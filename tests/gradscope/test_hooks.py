@@ -995,6 +995,9 @@ def test_a_probe_that_cannot_be_built_leaves_the_open_one_alone():
         for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(nn.Linear(2, 2).parameters())):
             with pytest.raises(ProbeError, match="unavailable for SGD|updates none of the probed parameters"):
                 Probe(model, AGENTS, ROLES, method="hooks", optimizer=optimizer)
+        with pytest.raises(ProbeError, match="may not be named 'weight_decay'"):  # a role named like a component
+            Probe(model, AGENTS, {a: "weight_decay" for a in AGENTS}, method="hooks",
+                  optimizer=torch.optim.AdamW(model.parameters()))
     assert {name: vars(m).get("forward") for name, m in model.named_modules()} == installed
     with probe.step(0) as s:
         s.backward_rows(model(x).sum(1), rows)
