@@ -106,20 +106,20 @@ def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 
             if run.replaced():
                 try:
                     new = open_run(path)
-                except RunFileError:  # not readable yet (a writer that has not started SWMR mode): next poll
-                    time.sleep(poll)
+                except RunFileError:  # not readable (yet: a writer that has not started SWMR mode): quiet
+                    new = None
+                if new is not None:
+                    run.close()
+                    run, fired = new, fired + follower.monitor.fired
+                    follower = follow(run)
+                    events = run.events
+                    resumes = events["step"][events["kind"] == "resume"]
+                    start = int(resumes.iloc[-1]) if len(resumes) else 0
+                    with follower.monitor.muted():
+                        follower.poll(below_step=start)
+                    echo(f"{path} was replaced: following the new file from step {start}")
+                    quiet_since = time.monotonic()
                     continue
-                run.close()
-                run, fired = new, fired + follower.monitor.fired
-                follower = follow(run)
-                events = run.events
-                resumes = events["step"][events["kind"] == "resume"]
-                start = int(resumes.iloc[-1]) if len(resumes) else 0
-                with follower.monitor.muted():
-                    follower.poll(below_step=start)
-                echo(f"{path} was replaced: following the new file from step {start}")
-                quiet_since = time.monotonic()
-                continue
             if follower.next != before:
                 quiet_since = time.monotonic()
             elif idle > 0 and time.monotonic() - quiet_since >= idle:

@@ -148,10 +148,11 @@ class RunReader:
             raise RunFileError(f"{self.path}: damaged run file, failed {doing} ({_one_line(exc)})") from None
 
     def _file_size(self) -> int:
-        try:
-            return os.path.getsize(self.path)
-        except OSError:
-            return 0
+        """The size of the file open here, not of whatever the path names now (a resume renames another over it)."""
+        return os.fstat(self._opened_fd()).st_size
+
+    def _opened_fd(self) -> int:
+        return self._f.id.get_vfd_handle()
 
     def _root_attrs(self) -> dict[str, Any]:
         """The root attributes the reader uses, each one's declared size checked before it is read."""
@@ -575,7 +576,7 @@ class RunReader:
             now = os.stat(self.path)
         except OSError:  # gone for now: nothing to switch to
             return False
-        opened = os.fstat(self._f.id.get_vfd_handle())
+        opened = os.fstat(self._opened_fd())
         return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
 
     # --- lifetime ------------------------------------------------------------------------------

@@ -586,6 +586,27 @@ def test_watch_on_a_closed_file_without_steps_says_so(tmp_path):
     assert out[-1] == f"writer closed {tmp_path / 'r.h5'} (no step): 0 alerts"
 
 
+def test_watch_idle_ends_when_the_file_was_replaced_by_one_it_cannot_read(tmp_path):
+    """A replacement watch cannot open (not HDF5, newer schema, locked) kept it retrying for ever, --idle or not."""
+    import threading
+
+    from gradscope.alerts.watch import watch
+
+    run, script = tmp_path / "run.h5", tmp_path / "writer.py"
+    script.write_text(RESUMING_WRITER)
+    assert subprocess.run([sys.executable, str(script), str(run), "new"], timeout=120).returncode == 0  # killed
+    lines: list[str] = []
+    follower = threading.Thread(target=watch, args=(str(run), []), kwargs=dict(poll=0.05, idle=1.0, echo=lines.append),
+                                daemon=True)
+    follower.start()
+    time.sleep(0.5)
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"not a run file" * 1000)
+    garbage.replace(run)
+    follower.join(timeout=15)
+    assert not follower.is_alive() and lines[-1].startswith(f"nothing new in {run} for 1 s"), lines
+
+
 def test_watch_started_with_sigint_ignored_still_stops_on_it(tmp_path):
     """`nohup` or `&` in a script start a process with SIGINT ignored: watch put Python's handler back only
     when it found one, so it never stopped on SIGINT."""
