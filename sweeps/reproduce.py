@@ -2,19 +2,36 @@
 
     python sweeps/reproduce.py                      # print every table
     python sweeps/reproduce.py --write docs/reproduction.md
-    python sweeps/reproduce.py --check docs/reproduction.md   # exit 1 if the document's tables differ
+    python sweeps/reproduce.py --check docs/reproduction.md   # exit 1 if a table differs or lacks a folder
     python sweeps/reproduce.py --write docs/reproduction.md --only table1.voting_math_scale  # that block only
-    python sweeps/reproduce.py --figures docs/img/reproduction   # redraw the folders' figures, copy the doc's
+    python sweeps/reproduce.py --figures docs/img/reproduction   # redraw FIGURES' folders' figures, copy the doc's
 
 A table lives in the document between the lines ``<!-- table: NAME -->`` and ``<!-- /table -->``;
 ``--write`` replaces each block's content with the table regenerated from the folders under
 ``--root`` (default ``sweeps/out``, where ``gradscope sweep sweeps/NAME.yaml`` writes
 ``sweeps/out/NAME``); a folder missing there is read from ``sweeps/results`` (:data:`ARCHIVE`), where the
-repository keeps sweep folders small enough to commit. A table whose folders are missing says so instead of failing. ``NAME@A,B`` computes table ``NAME`` over
+repository keeps sweep folders small enough to commit. ``NAME@A,B`` computes table ``NAME`` over
 the sweeps ``A`` and ``B`` only (the scales section: ``claim1@voting_math_scale``); a plain ``NAME`` over
-its default sweeps (:data:`MAIN`, the 0.3M sweeps; ``compute``: :data:`SWEEPS`). A sweep named ``BUILD/NAME``
-is the folder ``root/BUILD/NAME``: sweep NAME run from another build of the warm start (another machine's),
-kept beside the pinned build's (``table1.BUILD/NAME``, ``claim1@BUILD/A,BUILD/B``, ``mitigations@BUILD/voting_math_cliff``).
+its default sweeps (:data:`DEFAULTS`: :data:`MAIN`, the 0.3M sweeps; ``compute``: :data:`SWEEPS`;
+``table1.NAME``: NAME). A sweep named ``BUILD/NAME`` is the folder ``root/BUILD/NAME``: sweep NAME run from
+another build of the warm start (another machine's), kept beside the pinned build's (``table1.BUILD/NAME``,
+``claim1@BUILD/A,BUILD/B``, ``mitigations@BUILD/voting_math_cliff``).
+
+A table is computed from all of its sweeps' folders or not at all. A folder is missing when the one
+read (``--root``'s, else the archive's) does not exist or holds no finished run; a block that reads a
+missing folder is never rewritten from its other folders:
+
+* ``--write`` leaves such a block as the document has it and names it, with its missing folders, on
+  stderr (exit 0). Only a block that is empty, or that already holds the line
+  ``*(not run yet: sweeps/out/A, ...)*``, gets that line, naming the missing folders.
+* ``--check`` (exit 0 or 1) compares every block with what its folders regenerate; a block with a missing
+  folder matches only if it holds that ``not run yet`` line, naming the same folders. So it exits 0 only when every block it
+  looks at was regenerated from all of its folders and is the same, or says which folders were not
+  run; it names on stderr each block that differs, and why (a folder missing, or another table).
+* With neither, each table is printed, or that line for a table with a missing folder.
+
+``--only BLOCK`` limits ``--write`` or ``--check`` to the blocks named (the others are neither
+rewritten nor checked).
 """
 from __future__ import annotations
 
@@ -42,6 +59,11 @@ HERE = Path(__file__).resolve().parent
 MAIN = ("voting_math_long", "voting_math_hot", "voting_math_cliff", "workflows_math", "workflows_code")
 #: Every sweep behind the document (the compute table, the per-sweep Table 1s, the figures).
 SWEEPS = (*MAIN, "voting_math_scale", "voting_math_scale6")
+#: The sweeps of claim 1's default table (the ones whose cells run at the testbed's default lr).
+CLAIM1 = ("workflows_math", "workflows_code", "voting_math_long")
+#: The sweeps a table reads when its block names none (``NAME`` without ``@``; ``table1.NAME``: NAME).
+DEFAULTS = {"compute": SWEEPS, "claim1": CLAIM1, "claims23": MAIN, "claim4": MAIN, "claim5": MAIN, "leads": MAIN,
+            "mitigations": ("voting_math_cliff",)}
 #: Sweep folders kept in the repository (run files and manifest only, see sweeps/results/README.md): read where
 #: ``--root`` lacks the folder.
 ARCHIVE = HERE / "results"
@@ -101,6 +123,21 @@ class Folders:
 def _missing(names: tuple[str, ...] | list[str], folders: Folders) -> str | None:
     gone = [n for n in names if not folders.runs(n)]
     return f"*(not run yet: {', '.join(f'sweeps/out/{n}' for n in gone)})*\n" if gone else None
+
+
+#: A block that says its folders were not run (what :func:`_missing` writes).
+NOT_RUN = re.compile(r"\*\(not run yet: [^\n]*\)\*\n?")
+
+
+def block_sweeps(block: str) -> tuple[str, ...] | None:
+    """The sweep folders a table block (``NAME``, ``NAME@A,B``, ``table1.NAME``) reads; None for a table
+    without known defaults."""
+    name, _, scope = block.partition("@")
+    if scope:
+        return tuple(scope.split(","))
+    if name.startswith("table1."):
+        return (name.removeprefix("table1."),)
+    return DEFAULTS.get(name)
 
 
 def _pm(values) -> str:
@@ -180,7 +217,7 @@ def _step_seconds(s: RunSeries) -> float:
     return float(sum(m[c].sum() for c in ("time/rollout", "time/update") if c in m.columns))
 
 
-def claim1(folders: Folders, names: tuple[str, ...] = ("workflows_math", "workflows_code", "voting_math_long")) -> str:
+def claim1(folders: Folders, names: tuple[str, ...] = CLAIM1) -> str:
     """Does MARL beat the base model? Per cell (policy at default settings): Δ = final − base."""
     rows, beats, cells = [], 0, 0
     for name in names:
@@ -370,8 +407,7 @@ def leads(folders: Folders, names: tuple[str, ...] = MAIN) -> str:
 
 def mitigations(folders: Folders, names: tuple[str, ...] = ("voting_math_cliff",)) -> str:
     """Each mitigation against none, per policy, over the one sweep that A/B-tests them (voting_math_cliff)."""
-    if len(names) != 1 or sweep_of(names[0]) != "voting_math_cliff":
-        raise ValueError(f"mitigations is a table of voting_math_cliff (or BUILD/voting_math_cliff), not {','.join(names)}")
+    _mitigations_scope(names)
     runs = folders.runs(names[0])
     if not runs:
         return _missing(names, folders)
@@ -387,6 +423,11 @@ def mitigations(folders: Folders, names: tuple[str, ...] = ("voting_math_cliff",
     return _md(["policy", "mitigation", "seeds", "cliffs", "peak", "final", "Δ final − base"], rows)
 
 
+def _mitigations_scope(names: tuple[str, ...]) -> None:
+    if len(names) != 1 or sweep_of(names[0]) != "voting_math_cliff":
+        raise ValueError(f"mitigations is a table of voting_math_cliff (or BUILD/voting_math_cliff), not {','.join(names)}")
+
+
 TABLES = {
     "compute": compute,
     "claim1": claim1,
@@ -399,30 +440,43 @@ TABLES = {
 }
 
 
-def regenerate(text: str, folders: Folders, extra: dict | None = None, only: set[str] | None = None) -> str:
+def regenerate(text: str, folders: Folders, extra: dict | None = None, only: set[str] | None = None,
+               keep: bool = False, missing: dict | None = None) -> str:
     """The document with every table block replaced, or only the blocks named in ``only`` (unknown
-    names or sweeps: ValueError)."""
+    names or sweeps: ValueError). A block one of whose folders is missing (no finished run under the root
+    or the archive) becomes the ``not run yet`` line naming them, never a table of its other folders; with
+    ``keep`` (``--write``) it is left as it is unless it is empty or already that line. ``missing``, when
+    given, gets block name → (its missing folders, whether the block was left as it is)."""
     tables = {**TABLES, **(extra or {})}
     if only is not None and (absent := only - {m.group("name") for m in BLOCK.finditer(text)}):
         raise ValueError(f"--only: no table block {sorted(absent)[0]!r} in the document")
 
     def replace(m: re.Match) -> str:
-        if only is not None and m.group("name") not in only:
+        block = m.group("name")
+        if only is not None and block not in only:
             return m.group(0)
-        name, _, scope = m.group("name").partition("@")
+        name, _, scope = block.partition("@")
         if name.startswith("table1.") and name not in tables and sweep_of(name.removeprefix("table1.")):
             tables[name] = table1(name.removeprefix("table1."))  # another build's folder
         if name not in tables:
             raise ValueError(f"unknown table {name!r} in the document; known: {', '.join(tables)}")
-        if not scope:
-            return m.group(1) + tables[name](folders) + m.group(4)
-        names = tuple(scope.split(","))
-        if unknown := [n for n in names if sweep_of(n) is None]:
-            raise ValueError(f"unknown sweep {unknown[0]!r} in table {m.group('name')!r}; known: {', '.join(SWEEPS)}"
-                             " (or BUILD/NAME)")
-        if name.startswith("table1."):
-            raise ValueError(f"table {name!r} has no sweeps to choose (in {m.group('name')!r})")
-        return m.group(1) + tables[name](folders, names) + m.group(4)
+        names = tuple(scope.split(",")) if scope else None
+        if names is not None:
+            if unknown := [n for n in names if sweep_of(n) is None]:
+                raise ValueError(f"unknown sweep {unknown[0]!r} in table {block!r}; known: {', '.join(SWEEPS)}"
+                                 " (or BUILD/NAME)")
+            if name.startswith("table1."):
+                raise ValueError(f"table {name!r} has no sweeps to choose (in {block!r})")
+        if name == "mitigations":
+            _mitigations_scope(names or DEFAULTS["mitigations"])
+        needed = block_sweeps(block) if name in TABLES or name.startswith("table1.") else None
+        if gone := [n for n in needed or () if not folders.runs(n)]:
+            body = m.group("body")
+            kept = keep and bool(body.strip()) and not NOT_RUN.fullmatch(body)
+            if missing is not None:
+                missing[block] = (gone, kept)
+            return m.group(0) if kept else m.group(1) + _missing(gone, folders) + m.group(4)
+        return m.group(1) + (tables[name](folders) if names is None else tables[name](folders, names)) + m.group(4)
 
     return BLOCK.sub(replace, text)
 
@@ -477,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archive", type=Path, default=ARCHIVE, help="where a folder that --root lacks is read "
                         "from (default: sweeps/results)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", type=Path, help="rewrite the tables of this document in place")
-    mode.add_argument("--check", type=Path, help="exit 1 if this document's tables are not the regenerated ones")
+    mode.add_argument("--write", type=Path, help="rewrite the tables of this document in place (a block one of "
+                      "whose folders is missing is left as it is, and named on stderr)")
+    mode.add_argument("--check", type=Path, help="exit 1 if a table of this document is not the one its folders "
+                      "regenerate, or one of its folders is missing (unless the block says 'not run yet')")
     parser.add_argument("--only", metavar="BLOCK", action="append", help="--write/--check only this table block (its "
                         "name as in the document, e.g. claim1@voting_math_scale; repeatable): the others stay as they are")
     parser.add_argument("--figures", type=Path, help="also redraw the sweep folders' figures and copy the "
@@ -492,18 +548,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.write or args.check:
         doc = args.write or args.check
         old = doc.read_text()
-        new = regenerate(old, folders, only=set(args.only) if args.only else None)
+        missing: dict[str, tuple[list[str], bool]] = {}
+        new = regenerate(old, folders, only=set(args.only) if args.only else None, keep=bool(args.write),
+                         missing=missing)
         if args.write:
             doc.write_text(new)
-            print(f"wrote {doc} ({len(BLOCK.findall(new))} tables)")
+            for block, (gone, kept) in missing.items():
+                print(f"{doc}: {block}: not regenerated, folders missing: {', '.join(gone)} ("
+                      + ("left as it was" if kept else "marked 'not run yet'") + ")", file=sys.stderr)
+            kept = sum(k for _, k in missing.values())
+            print(f"wrote {doc} ({len(BLOCK.findall(new))} tables"
+                  + (f"; {kept} left as they were, a folder missing" if kept else "") + ")")
             return 0
-        if new != old:
-            print(f"{doc}: tables differ from the sweep folders' (run with --write)", file=sys.stderr)
+        differ = [o["name"] for o, n in zip(BLOCK.finditer(old), BLOCK.finditer(new)) if o["body"] != n["body"]]
+        for block in differ:
+            why = (f"not checked, folders missing: {', '.join(missing[block][0])}" if block in missing
+                   else "differs from the table its folders regenerate")
+            print(f"{doc}: {block}: {why}", file=sys.stderr)
+        if differ:
+            print(f"{doc}: {len(differ)} table(s) differ from the sweep folders' or lack a folder", file=sys.stderr)
             return 1
-        print(f"{doc}: every table matches the sweep folders")
+        print(f"{doc}: every table matches the sweep folders"
+              + (f" ({len(missing)} marked 'not run yet')" if missing else ""))
         return 0
     for name, make in TABLES.items():
-        print(f"<!-- table: {name} -->\n{make(folders)}<!-- /table -->\n")
+        gone = [n for n in block_sweeps(name) or () if not folders.runs(n)]
+        print(f"<!-- table: {name} -->\n{_missing(gone, folders) if gone else make(folders)}<!-- /table -->\n")
     return 0
 
 

@@ -74,17 +74,17 @@ def root(tmp_path_factory) -> Path:
 
 DOC = """# Reproduction
 
-<!-- table: compute -->
+<!-- table: compute@voting_math_long,workflows_math -->
 stale
 <!-- /table -->
 text between
-<!-- table: claim1 -->
+<!-- table: claim1@workflows_math,voting_math_long -->
 <!-- /table -->
-<!-- table: claims23 -->
+<!-- table: claims23@voting_math_long,workflows_math -->
 <!-- /table -->
-<!-- table: claim4 -->
+<!-- table: claim4@voting_math_long -->
 <!-- /table -->
-<!-- table: claim5 -->
+<!-- table: claim5@voting_math_long -->
 <!-- /table -->
 <!-- table: mitigations -->
 <!-- /table -->
@@ -105,23 +105,24 @@ def test_tables_are_regenerated_from_the_folders(reproduce, root, tmp_path):
     blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(text)}
     # compute: 6 + 4 finished runs, 40 steps each; the killed and the closed-early run listed with their
     # step and 1 step hour each; 2 × 1.1 CPU hours from the logs' time lines
-    assert ("| `sweeps/voting_math_long.yaml` | 6 | 240 | sp_seed3 (5 steps), sp_seed4 (5 steps) | 2.00 | 1.10 |"
-            in blocks["compute"])
-    assert "| total | 10 | 400 |  | 2.00 | 2.20 |" in blocks["compute"]
-    assert "not run yet" in blocks["mitigations"]
+    compute = blocks["compute@voting_math_long,workflows_math"]
+    assert "| `sweeps/voting_math_long.yaml` | 6 | 240 | sp_seed3 (5 steps), sp_seed4 (5 steps) | 2.00 | 1.10 |" in compute
+    assert "| total | 10 | 400 |  | 2.00 | 2.20 |" in compute
+    assert blocks["mitigations"] == "*(not run yet: sweeps/out/voting_math_cliff)*\n"  # an empty block says so
     # claim 1: one row per (workflow, task, model, policy); the cliff run is IP seed 0 and ends below base
-    claim1 = blocks["claim1"]
+    claim1 = blocks["claim1@workflows_math,voting_math_long"]
     assert claim1.count("| voting_math_long | voting | math | testbed | ") == 2
     assert claim1.count("| workflows_math | evalopt | math | testbed | ") == 2
     assert "| IP | 40 | 3 |" in claim1 and "| 2/3 |" in claim1 and "| 3/3 |" in claim1
     assert "Mean Δ > 0 in **" in claim1
     # claims 2-3: IP had one terminal cliff of 3, SP none
-    row = next(line for line in blocks["claims23"].splitlines() if line.startswith("| voting_math_long"))
+    row = next(line for line in blocks["claims23@voting_math_long,workflows_math"].splitlines()
+               if line.startswith("| voting_math_long"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[6] == "1/3" and cells[10] == "0/3"
     # claim 4: the voters' coherence under IP; claim 5: SP's dominant role
-    assert "| voting_math_long | voting/math | testbed | voter | – | 3 |" in blocks["claim4"]
-    assert "| voting_math_long | voting/math | testbed | – | voter | 3 |" in blocks["claim5"]
+    assert "| voting_math_long | voting/math | testbed | voter | – | 3 |" in blocks["claim4@voting_math_long"]
+    assert "| voting_math_long | voting/math | testbed | – | voter | 3 |" in blocks["claim5@voting_math_long"]
     # Table 1 of a folder: one row per policy, 3 seeds each, the cliff counted
     t1 = blocks["table1.voting_math_long"]
     assert "| voting | math | testbed | IP | 3 |" in t1 and t1.rstrip().endswith("| 0/3 |") and "| 1/3 |" in t1
@@ -142,7 +143,9 @@ def test_a_table_can_be_scoped_to_some_sweeps(reproduce, root, tmp_path):
     blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(doc.read_text())}
     assert "| workflows_math |" in blocks["claim1@workflows_math"]
     assert "voting_math_long" not in blocks["claim1@workflows_math"]
-    assert "| voting_math_long |" in blocks["claims23"]  # default: every 0.3M sweep
+    # default: every 0.3M sweep (MAIN), three of which this root lacks: no table of the other two
+    assert blocks["claims23"] == ("*(not run yet: sweeps/out/voting_math_hot, sweeps/out/voting_math_cliff, "
+                                  "sweeps/out/workflows_code)*\n")
     compute = blocks["compute@workflows_math,voting_math_long"]
     assert "voting_math_scale" not in compute and "| total | 10 | 400 |" in compute
 
@@ -186,6 +189,33 @@ def test_only_the_named_blocks_are_rewritten(reproduce, root, tmp_path):
     assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 1
     with pytest.raises(ValueError, match="no table block 'claim4'"):
         reproduce.main(["--root", str(root), "--write", str(doc), "--only", "claim4"])
+
+
+def test_a_table_missing_some_of_its_folders_is_not_rewritten_from_the_others(reproduce, root, tmp_path, capsys):
+    """A block that reads a folder the root and the archive lack is never a table of its other folders:
+    --write leaves it as it is (or, empty, says which folders were not run) and names it; --check counts it
+    as differing unless it says 'not run yet'."""
+    doc = tmp_path / "r.md"
+    pinned = "| sweep | cell |\n|---|---|\n| voting_math_hot | the pinned row |\n"
+    doc.write_text(f"<!-- table: claims23 -->\n{pinned}<!-- /table -->\n<!-- table: compute -->\n<!-- /table -->\n"
+                   "<!-- table: claim1@workflows_math -->\n<!-- /table -->\n")
+    assert reproduce.main(["--root", str(root), "--write", str(doc)]) == 0
+    err = capsys.readouterr().err
+    text = doc.read_text()
+    blocks = {m.group("name"): m.group("body") for m in reproduce.BLOCK.finditer(text)}
+    assert blocks["claims23"] == pinned  # not replaced by the rows of voting_math_long and workflows_math alone
+    assert ("claims23: not regenerated, folders missing: voting_math_hot, voting_math_cliff, workflows_code "
+            "(left as it was)") in err
+    assert blocks["compute"].startswith("*(not run yet: sweeps/out/voting_math_hot,") and "| total |" not in text
+    assert "| workflows_math |" in blocks["claim1@workflows_math"]
+    assert reproduce.main(["--root", str(root), "--write", str(doc)]) == 0 and doc.read_text() == text
+    capsys.readouterr()
+    assert reproduce.main(["--root", str(root), "--check", str(doc)]) == 1
+    err = capsys.readouterr().err
+    assert "claims23: not checked, folders missing: voting_math_hot, voting_math_cliff, workflows_code" in err
+    assert "compute:" not in err and "claim1@workflows_math:" not in err
+    assert reproduce.main(["--root", str(root), "--check", str(doc), "--only", "compute",
+                           "--only", "claim1@workflows_math"]) == 0
 
 
 def test_only_needs_write_or_check(reproduce, root):
