@@ -110,6 +110,15 @@ class LyingDict(dict):
     def copy(self):
         return {"forged": 1}
 
+    def __iter__(self):  # (dict.copy then reads keys() and __getitem__)
+        return iter(["forged"])
+
+    def keys(self):
+        return ["forged"]
+
+    def __getitem__(self, key):
+        return 99
+
 
 class Liar:
     """Claims to be a dict (``isinstance`` believes ``__class__``; the codec must not)."""
@@ -133,6 +142,16 @@ def test_a_reply_crosses_subclasses_as_their_own_data():
     for refused in (Always(), Liar(), [Liar()], MyInt):  # subclasses of nothing plain, a lying __class__, a type
         with pytest.raises(plain.NotPlain):
             plain.dumps(refused, subclasses=True)
+    # an int subclass is no container: it may sit as deep as an int; a dict subclass is one
+    assert plain.loads(plain.dumps(_nest(MyInt(5), plain.MAX_DEPTH), subclasses=True)) == _nest(5, plain.MAX_DEPTH)
+    with pytest.raises(plain.TooDeep):
+        plain.dumps(_nest(LyingDict(k=1), plain.MAX_DEPTH), subclasses=True)
+
+
+def _nest(x, n):
+    for _ in range(n):
+        x = [x]
+    return x
 
 
 def test_depth_limit():

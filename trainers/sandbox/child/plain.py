@@ -37,16 +37,24 @@ class TooDeep(NotPlain):
 
 
 #: The plain base types a subclass instance crosses as (``subclasses=True``), each with the base method that
-#: copies an instance's own data into an exact instance of the base type.
+#: copies an instance's own storage into an exact instance of the base type without calling a method of the
+#: subclass (``dict.copy`` would call an overridden ``keys``: a dict subclass's pairs are read with ``dict.items``).
 _AS_BASE = ((int, int.__int__), (float, float.__float__), (complex, complex.__complex__), (str, str.__str__),
             (bytes, bytes.__bytes__), (list, list.copy), (tuple, lambda x: tuple.__getitem__(x, slice(None))),
-            (dict, dict.copy), (set, set.copy), (frozenset, frozenset.copy))
+            (set, set.copy), (frozenset, frozenset.copy))
+_PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset))
 
 
 def _pack(x, depth, subclasses=False):
     t = type(x)
     if x is None or t is bool or t is str:
         return x
+    if subclasses and t not in _PLAIN:
+        if issubclass(t, dict):  # (type(x), not isinstance: an object's __class__ can lie)
+            return _pack_pairs(dict.items(x), depth, subclasses)
+        for base, copy in _AS_BASE:
+            if issubclass(t, base):
+                return _pack(copy(x), depth, subclasses)
     if t is int:
         return x if x.bit_length() <= 64 else {"i": format(x, "x")}
     if t is float:
@@ -62,14 +70,17 @@ def _pack(x, depth, subclasses=False):
     if t is tuple:
         return {"t": [_pack(v, depth + 1, subclasses) for v in x]}
     if t is dict:
-        return {"d": [[_pack(k, depth + 1, subclasses), _pack(v, depth + 1, subclasses)] for k, v in x.items()]}
+        return _pack_pairs(x.items(), depth, subclasses)
     if t is set or t is frozenset:
         return {"s" if t is set else "f": [_pack(v, depth + 1, subclasses) for v in x]}
-    if subclasses:
-        for base, copy in _AS_BASE:
-            if issubclass(t, base):  # (type(x), not isinstance: an object's __class__ can lie)
-                return _pack(copy(x), depth, subclasses)
     raise NotPlain(t.__name__)
+
+
+def _pack_pairs(items, depth, subclasses):
+    """A dict's ``items`` (a ``dict_items`` view) at ``depth``."""
+    if depth >= MAX_DEPTH:
+        raise TooDeep("nested deeper than %d" % MAX_DEPTH)
+    return {"d": [[_pack(k, depth + 1, subclasses), _pack(v, depth + 1, subclasses)] for k, v in items]}
 
 
 def dumps(x, envelope: int = 0, subclasses: bool = False) -> bytes:
