@@ -161,8 +161,7 @@ class Probe:
                              + (" (auto: some probed parameters are not nn.Linear / nn.Embedding weights)"
                                 if method == "auto" else ""))
         params_only = [p for _, p in named]
-        if optimizer is not None:  # refused before this probe takes over any layer (and closes an older probe's)
-            _check_attachable(optimizer, params_only, grad_reduced, update_unit, self.roles, self.agents)
+        self.params, self.group_index, self.grad_reduced = params_only, group_index, bool(grad_reduced)
         if self.process_group is not None:
             check_same_setup(self.process_group, {
                 "agents": self.agents, "roles": self.agent_roles, "parameter names": self.param_names,
@@ -176,19 +175,26 @@ class Probe:
                                 self.sketch, self.process_group)
         elif self.process_group is not None:
             store = FlatStore(params_only, group_index, len(self.groups), len(agents), self.process_group)
-        options = ({"strict": method == "hooks", "check_every": check_every, "grad_reduced": bool(grad_reduced)}
-                   if self.method_name == "hooks" else {})
-        self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
-                                                 model=model, store=store, **options)
-        self.params, self.group_index, self.grad_reduced = params_only, group_index, bool(grad_reduced)
         self._index = {a: k for k, a in enumerate(self.agents)}
         self._open = False
         self._current: ProbeStep | None = None  # the open step's handle
         self._closed = False  # close() was called
         self.last: StepResult | None = None
         self._updates: UpdateAttribution | None = None
-        if optimizer is not None:
-            self.attach(optimizer, update_unit)
+        if optimizer is not None:  # whatever can fail, before the method takes over any layer (and an older probe's)
+            _check_attachable(optimizer, params_only, grad_reduced, update_unit, self.roles, self.agents)
+            self._updates = UpdateAttribution(self, store, update_unit)
+            self._updates.attach(optimizer)
+            store = self._updates.store
+        options = ({"strict": method == "hooks", "check_every": check_every, "grad_reduced": bool(grad_reduced)}
+                   if self.method_name == "hooks" else {})
+        try:
+            self._method = METHODS[self.method_name](params_only, group_index, len(self.groups), len(agents),
+                                                     model=model, store=store, **options)
+        except BaseException:
+            if self._updates is not None:  # (the optimizer's step hooks)
+                self._updates.close()
+            raise
 
     @property
     def measurement(self) -> str:

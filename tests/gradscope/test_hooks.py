@@ -998,6 +998,14 @@ def test_a_probe_that_cannot_be_built_leaves_the_open_one_alone():
         with pytest.raises(ProbeError, match="may not be named 'weight_decay'"):  # a role named like a component
             Probe(model, AGENTS, {a: "weight_decay" for a in AGENTS}, method="hooks",
                   optimizer=torch.optim.AdamW(model.parameters()))
+        spread = make_mlp()  # parameters on two devices: hooks takes them, update attribution cannot
+        older = Probe(spread, AGENTS, ROLES, method="hooks")
+        list(spread.children())[-1].to("meta")
+        before = {name: vars(m).get("forward") for name, m in spread.named_modules()}
+        with pytest.raises(ProbeError, match="all probed parameters on one device"):
+            Probe(spread, AGENTS, ROLES, method="hooks", optimizer=torch.optim.AdamW(spread.parameters()))
+        assert {name: vars(m).get("forward") for name, m in spread.named_modules()} == before
+        older.close()
     assert {name: vars(m).get("forward") for name, m in model.named_modules()} == installed
     with probe.step(0) as s:
         s.backward_rows(model(x).sum(1), rows)
