@@ -149,10 +149,17 @@ class RunReader:
 
     def _file_size(self) -> int:
         """The size of the file open here, not of whatever the path names now (a resume renames another over it)."""
-        return os.fstat(self._opened_fd()).st_size
+        fd = self._opened_fd()
+        if fd is not None:
+            return os.fstat(fd).st_size
+        try:  # another HDF5 driver (HDF5_DRIVER=stdio, core): the path's
+            return os.path.getsize(self.path)
+        except OSError:
+            return 0
 
-    def _opened_fd(self) -> int:
-        return self._f.id.get_vfd_handle()
+    def _opened_fd(self) -> int | None:
+        """The open file's descriptor: HDF5's default driver (sec2) only; None under another."""
+        return self._f.id.get_vfd_handle() if self._f.driver == "sec2" else None
 
     def _root_attrs(self) -> dict[str, Any]:
         """The root attributes the reader uses, each one's declared size checked before it is read."""
@@ -572,11 +579,14 @@ class RunReader:
         """Whether the path now names another file than the one open here: a ``--resume`` (or an
         ``--overwrite``) writes a new file and renames it over the path, and a follower of the old one
         would never see another row."""
+        fd = self._opened_fd()
         try:
             now = os.stat(self.path)
         except OSError:  # gone for now: nothing to switch to
             return False
-        opened = os.fstat(self._opened_fd())
+        if fd is None:  # (another HDF5 driver: cannot tell)
+            return False
+        opened = os.fstat(fd)
         return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
 
     # --- lifetime ------------------------------------------------------------------------------

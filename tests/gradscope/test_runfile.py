@@ -742,3 +742,15 @@ def test_a_diverged_run_is_unfinished_whatever_step_it_reached(tmp_path):
     with RunWriter.resume(path, keep_below_step=2) as w:
         w.log_metrics(2, {"x": 1.0})
     assert run_progress(path).finished()
+
+
+def test_a_run_file_reads_under_another_hdf5_driver(tmp_path):
+    """HDF5_DRIVER=stdio: the reader sized reads by the open file's descriptor, which only the default driver
+    has (every file read as damaged, 'Bad file descriptor')."""
+    path = tmp_path / "run.h5"
+    write_random_run(path, n=5)
+    code = ("import sys; from gradscope.runfile import open_run\n"
+            "with open_run(sys.argv[1]) as run: print(run._f.driver, run.n_steps, run.replaced())")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HDF5_DRIVER": "stdio"})
+    assert out.returncode == 0 and out.stdout.split() == ["stdio", "5", "False"], out.stderr
