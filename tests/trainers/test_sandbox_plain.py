@@ -142,6 +142,16 @@ def test_a_reply_crosses_subclasses_as_their_own_data():
     for refused in (Always(), Liar(), [Liar()], MyInt):  # subclasses of nothing plain, a lying __class__, a type
         with pytest.raises(plain.NotPlain):
             plain.dumps(refused, subclasses=True)
+    class LyingOrdered(OrderedDict):
+        def __iter__(self):
+            return iter(["forged"])
+
+        def items(self):
+            return [("forged", 1)]
+
+    lru = LyingOrdered(a=1, b=2, c=3)
+    lru.move_to_end("a")  # an OrderedDict crosses in its own order, read by OrderedDict's (built-in) items
+    assert list(plain.loads(plain.dumps(lru, subclasses=True)).items()) == [("b", 2), ("c", 3), ("a", 1)]
     # an int subclass is no container: it may sit as deep as an int; a dict subclass is one
     assert plain.loads(plain.dumps(_nest(MyInt(5), plain.MAX_DEPTH), subclasses=True)) == _nest(5, plain.MAX_DEPTH)
     with pytest.raises(plain.TooDeep):

@@ -213,11 +213,12 @@ def generate_toy_code(n: int, level: int = 1, seed: int = 0, *, n_tests: int = 5
     return tasks
 
 
-#: A Markdown code block: an opening fence line (three or more backticks or tildes, any info string), its content,
-#: and the closing fence of the same characters (a line of its own, or the end of the content's last line) or the
-#: end of the text.
-_FENCE_RE = re.compile(r"^[ \t]*(`{3,}(?!`)|~{3,}(?!~))[^\n]*\n(.*?)(?:\n[ \t]*\1[ \t]*$|\1[ \t]*$|\Z)",
-                       re.DOTALL | re.MULTILINE)  # (a fence is all of its run: no backtracking into shorter ones)
+#: A Markdown code block: an opening fence line (3 to 16 backticks or tildes, any info string), its content, and
+#: the closing fence of the same characters (a line of its own, or the end of the content's last line) or the end of
+#: the text. A fence is all of its run (no backtracking into shorter ones), and at most 16 long, so that matching
+#: the closing fence at every position stays linear in the completion's length.
+_FENCE_RE = re.compile(r"^[ \t]*(`{3,16}(?!`)|~{3,16}(?!~))[^\n]*\n(.*?)(?:\n[ \t]*\1[ \t]*$|\1[ \t]*$|\Z)",
+                       re.DOTALL | re.MULTILINE)
 
 
 def toy_body(completion: str) -> str:

@@ -38,7 +38,7 @@ class TooDeep(NotPlain):
 
 #: The plain base types a subclass instance crosses as (``subclasses=True``), each with the base method that
 #: copies an instance's own storage into an exact instance of the base type without calling a method of the
-#: subclass (``dict.copy`` would call an overridden ``keys``: a dict subclass's pairs are read with ``dict.items``).
+#: subclass (``dict.copy`` would call an overridden ``keys``: a dict subclass's pairs are read by :func:`_own_items`).
 _AS_BASE = ((int, int.__int__), (float, float.__float__), (complex, complex.__complex__), (str, str.__str__),
             (bytes, bytes.__bytes__), (list, list.copy), (tuple, lambda x: tuple.__getitem__(x, slice(None))),
             (set, set.copy), (frozenset, frozenset.copy))
@@ -51,7 +51,7 @@ def _pack(x, depth, subclasses=False):
         return x
     if subclasses and t not in _PLAIN:
         if issubclass(t, dict):  # (type(x), not isinstance: an object's __class__ can lie)
-            return _pack_pairs(dict.items(x), depth, subclasses)
+            return _pack_pairs(_own_items(x), depth, subclasses)
         for base, copy in _AS_BASE:
             if issubclass(t, base):
                 return _pack(copy(x), depth, subclasses)
@@ -74,6 +74,16 @@ def _pack(x, depth, subclasses=False):
     if t is set or t is frozenset:
         return {"s" if t is set else "f": [_pack(v, depth + 1, subclasses) for v in x]}
     raise NotPlain(t.__name__)
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class written in Python
+
+
+def _own_items(x):
+    """The pairs of ``x`` (a dict subclass) as the nearest built-in class of its type reads them (``dict.items``;
+    an ``OrderedDict``'s own order): no method written in Python, the candidate's, plays a part."""
+    cls = next(c for c in type(x).__mro__ if not c.__flags__ & _HEAPTYPE)
+    return cls.items(x)
 
 
 def _pack_pairs(items, depth, subclasses):
