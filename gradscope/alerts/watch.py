@@ -98,12 +98,13 @@ def watch(path: str, rules: Sequence[Rule], *, poll: float = 1.0, idle: float = 
         while True:
             before = dict(follower.next)
             follower.poll()
-            if run.closed and not run.replaced():
+            replaced = run.replaced()
+            if run.closed and not replaced:
                 last = "no step" if follower.last_step < 0 else f"last step {follower.last_step}"
                 fired += follower.monitor.fired
                 echo(f"writer closed {path} ({last}): {len(fired)} alerts")
                 return fired
-            if run.replaced():
+            if replaced:
                 try:
                     new = open_run(path)
                 except RunFileError:  # not readable (yet: a writer that has not started SWMR mode): quiet

@@ -580,11 +580,11 @@ class RunReader:
         ``--overwrite``) writes a new file and renames it over the path, and a follower of the old one
         would never see another row."""
         fd = self._opened_fd()
+        if fd is None:  # (another HDF5 driver: cannot tell)
+            return False
         try:
             now = os.stat(self.path)
         except OSError:  # gone for now: nothing to switch to
-            return False
-        if fd is None:  # (another HDF5 driver: cannot tell)
             return False
         opened = os.fstat(fd)
         return (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino)
