@@ -23,7 +23,9 @@ and the check is re-armed for the next probed step. Rows all of one agent attrib
 dimension: no guess; a call the loss does not reach needs none. Likewise rows of several agents that no passed
 check has yet seen with gradient (a first step of one agent's rows cannot show a model mixing rows): split, and
 the next step checks. A check confirms only what it gave a non-zero gradient to. An input
-with no dimension of size B falls back to split too, naming the layer.
+with no dimension of size B falls back to split too, naming the layer. An input of B vectors in a forward
+whose other calls hold several tokens a row (vectors selected or routed to the layer — a head on the scored
+tokens, MoE experts — or pooled per row) is a guess in every step: a check verifies it for its own step only.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
 **Self-check.** On the first probed step with a call that hooks attributes from per-row or per-token
@@ -83,7 +85,7 @@ from gradscope.probe.distributed import all_reduce_max, all_reduce_sum_
 from gradscope.probe.fused import as_dtype
 from gradscope.probe.layers import Layer, find_layers
 from gradscope.probe.method import GramMethod, Terms
-from gradscope.probe.rows import Fallback, Forward, Piece, by_row, guessed, in_backward, reachable_nodes
+from gradscope.probe.rows import Fallback, Forward, Piece, by_row, guessed, in_backward, reachable_nodes, remedy
 from gradscope.probe.split import Grads, backward_per_agent
 from gradscope.probe.store import FlatStore, Store, each_squared_norm, squared_norms
 from gradscope.probe.tolerance import add_up_tolerance, differs, least_precise
@@ -422,7 +424,7 @@ class HooksMethod(GramMethod):
                     if self.check_every is not None and not self.failed_check:
                         self._steps_since_check = None  # the next probed step checks (and fixes) the dimension
                     raise Fallback("unmatched-rows", f"{guessed(ambiguous[0])} and no self-check runs in this call "
-                                   "to confirm it; tag the forward with s.rows(agent_of_row, batch_dim=d)")
+                                   f"to confirm it; {remedy(ambiguous[0])}")
             mixed = any(f.mixed for f in live)
             if mixed and not checking and not self._rows_verified and self.check_every is not None and terms is not None:
                 # the checks so far saw rows of one agent only (or no gradient): that the model keeps rows apart
@@ -502,29 +504,35 @@ class HooksMethod(GramMethod):
             B = len(f.tag)
             f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
             calls: dict[Layer, int] = {}
-            for piece in f.pieces:
+            # the calls' inputs by token (the feature axis dropped; an embedding's ids whole)
+            shapes = [None if p.inputs is None else p.inputs.shape if p.layer.embedding else p.inputs.shape[:-1]
+                      for p in f.pieces]
+            tokens = max((s.numel() for s in shapes if s is not None), default=0)
+            for piece, shape in zip(f.pieces, shapes):
                 piece.index = calls.get(piece.layer, 0)
                 calls[piece.layer] = piece.index + 1
-                x = piece.inputs
-                if x is None:
+                if shape is None:
                     continue
-                shape = x.shape if piece.layer.embedding else x.shape[:-1]
+                # B vectors where other calls of the forward hold several tokens a row: selected or routed to the
+                # layer (a head on the scored tokens, MoE experts) or pooled per row, which shapes cannot tell
+                # apart; a check verifies such a call in its own step only (the selection may change)
+                piece.pooled = len(shape) == 1 and shape[0] == B < tokens
                 if f.batch_dim is not None:
                     if f.batch_dim >= len(shape) or shape[f.batch_dim] != B:
                         raise Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
-                                        f"{tuple(x.shape)} has no dimension {f.batch_dim} of size B = {B}")
-                    piece.dim = f.batch_dim
+                                        f"{tuple(piece.inputs.shape)} has no dimension {f.batch_dim} of size B = {B}")
+                    piece.dim, piece.ambiguous, piece.candidates = f.batch_dim, f.mixed and piece.pooled, (f.batch_dim,)
                     continue
                 dims = [d for d, n in enumerate(shape) if n == B]
                 if not dims:
                     raise Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
-                                    f"{tuple(x.shape)} has no dimension of the batch size B = {B}")
-                verified = piece.layer.batch_dims.get(piece.index)
+                                    f"{tuple(piece.inputs.shape)} has no dimension of the batch size B = {B}")
+                verified = None if piece.pooled else piece.layer.batch_dims.get(piece.index)
                 piece.dim = verified if verified in dims else dims[0]
                 # a guess unless it is the leading dimension and the only one of size B: a non-leading one may be
                 # the batch of a sequence-first input or the sequence axis of a chunk of the batch (T == B); with
                 # rows of one agent every dimension attributes alike
-                piece.ambiguous = f.mixed and verified not in dims and dims != [0]
+                piece.ambiguous = f.mixed and (piece.pooled or (verified not in dims and dims != [0]))
                 piece.candidates = tuple(dims)
         return live
 
@@ -604,6 +612,7 @@ class HooksMethod(GramMethod):
                         mine.copy_(theirs)
                 # the check sees only the hooked layers' calls: a weight used outside them must still be caught
                 bad = self._add_up(grams if self.store is None else None, ghost)
+            uncalled = self._uncalled() if bad else []
             if self.store is not None:
                 grams = self.store.grams()  # a collective: every rank takes part, also one that then raises
         finally:
@@ -623,11 +632,24 @@ class HooksMethod(GramMethod):
                      "probed layers during this step and added gradient that belongs to no agent, or a probed "
                      "weight is used outside its layer's forward" if outside
                      else "a probed weight is used outside its layer's forward")
+            if uncalled:
+                cause += (f" (layer{'s' if len(uncalled) > 1 else ''} {', '.join(map(repr, uncalled[:3]))}"
+                          f"{' …' if len(uncalled) > 3 else ''}: no call this step, yet gradient)")
             raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
                              f"gradient; {cause}. Use method='split'")
         self.record = ("split-fallback:" + self._reasons[0] if self._reasons
                        else "hooks+check" if checked else "hooks")
         return grams
+
+    def _uncalled(self) -> list[str]:
+        """The hooked layers with no call hooks attributed this step whose probed parameters received gradient
+        all the same (their weight is read outside their forward); none when split measured a call (its
+        gradients need no layer call)."""
+        if self._reasons:
+            return []
+        attributed = self.acc.magnitudes()  # (every attributed call adds to its parameters' magnitudes)
+        moved = {i for i, delta in self._deltas() if i not in attributed and bool(delta.any())}
+        return [layer.name for layer in self.layers if layer.weight in moved or layer.bias in moved]
 
     def _add_up(self, grams: np.ndarray | None, ghost: set[int]) -> list[int]:
         """The add-up check of this rank's per-agent gradients (``grams`` (G, K, K), or the store's before it
@@ -682,7 +704,7 @@ class HooksMethod(GramMethod):
             # verified: what the check gave a gradient to (rows of several agents; a call's guessed dimension)
             self._rows_verified = self._rows_verified or mixed
             for piece in self._unverified:
-                if piece in self._seen:
+                if piece in self._seen and not piece.pooled:
                     piece.layer.batch_dims[piece.index] = piece.dim
             return None
         self._steps_since_check = 0
@@ -694,8 +716,7 @@ class HooksMethod(GramMethod):
                 "row-major in the batch, or the model mixes rows (a term across the batch, e.g. BatchNorm)")
         unverified = [p for p in self._unverified if layer is None or p.layer is layer]
         if unverified:
-            hint = (f"{guessed(unverified[0])}, and it may not be the batch one: tag the forward with "
-                    "s.rows(agent_of_row, batch_dim=d)")
+            hint = f"{guessed(unverified[0])}, and it may not be the batch one: {remedy(unverified[0])}"
         return (f"hooks failed its self-check: the per-agent Gram of {where} differs from split's (autograd per "
                 f"agent), so rows are attributed to the wrong agents; {hint}")
 

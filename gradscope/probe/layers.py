@@ -30,15 +30,26 @@ def _unsupported(module: nn.Module) -> str:
     return f"in a {type(module).__name__}"
 
 
+def _is_param_wrapper(module: nn.Module) -> bool:
+    """peft's LoRA on a bare parameter (``LoraConfig(target_parameters=...)``, e.g. fused MoE experts): its
+    ``lora_A`` / ``lora_B`` are ``nn.Linear`` modules whose weights it reads without calling them."""
+    cls = type(module)
+    return cls.__name__ == "ParamWrapper" and cls.__module__.startswith("peft.")
+
+
 def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list["Layer"], dict[int, str]]:
     """The hookable layers holding ``params``, and the parameters none covers: index → why (for messages).
 
     A parameter is covered when exactly one module of ``model`` holds it and that module is
-    :func:`supported` (a weight tied between two modules is not).
+    :func:`supported` (a weight tied between two modules is not) and is called to use it (not so the
+    ``lora_A`` / ``lora_B`` Linears of peft's ``target_parameters`` LoRA, whose weights it reads).
     """
     index = {id(p): i for i, p in enumerate(params)}
     owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    never_called: set[int] = set()
     for module_name, module in model.named_modules(remove_duplicate=False):
+        if _is_param_wrapper(module):
+            never_called.update(id(m) for part in (module.lora_A, module.lora_B) for m in part.values())
         for name, p in module.named_parameters(recurse=False):
             if id(p) in index:
                 owners.setdefault(index[id(p)], []).append((module_name, module, name))
@@ -51,6 +62,10 @@ def find_layers(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list[
                             if held else "held by no module of the model")
             continue
         module_name, module, name = next(iter(held.values()))
+        if id(module) in never_called:
+            uncovered[i] = ("in a Linear that peft's target_parameters LoRA (ParamWrapper) never calls: it reads the "
+                            "weight")
+            continue
         if not supported(module) or name not in ("weight", "bias"):
             uncovered[i] = (_unsupported(module) if not supported(module)
                             else f"{name!r} of a {type(module).__name__}, neither weight nor bias")

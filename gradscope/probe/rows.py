@@ -70,6 +70,7 @@ class Piece:
     inputs: torch.Tensor | None
     dim: int = 0              # the batch dimension of ``inputs``
     ambiguous: bool = False   # the batch dimension is a guess by size (see HooksMethod._match), not verified
+    pooled: bool = False      # its input holds B vectors, its forward's other calls several tokens a row
     candidates: tuple = ()    # the input's dimensions of size B
     index: int = 0            # the call's place among its layer's calls in its forward (0: the first)
     edge: object = None       # the output's GradientEdge: reachable from a loss? its gradient (self-check)
@@ -107,11 +108,21 @@ def reachable_nodes(loss: torch.Tensor) -> set[int]:
 def guessed(piece: Piece) -> str:
     """Why a call's batch dimension is a guess (:meth:`gradscope.probe.hooks.HooksMethod._match`), for messages."""
     B, dims = piece.forward.rows, piece.candidates
-    why = (f"several dimensions of its input, {list(dims)}, have size B = {B} (a sequence-first (T, B, d) input "
+    why = (f"its input holds B = {B} vectors where other calls of its forward hold several tokens a row: vectors "
+           "selected or routed to it (a head on the scored tokens, MoE experts) or pooled per row, which shapes "
+           "cannot tell apart" if piece.pooled else
+           f"several dimensions of its input, {list(dims)}, have size B = {B} (a sequence-first (T, B, d) input "
            "with T == B?)" if len(dims) > 1 else
            f"the only dimension of its input of size B = {B} is dimension {dims[0]}, not the leading one: the batch "
            "of a sequence-first (T, B, d) input, or the sequence axis of a chunk of the batch with T == B")
     return f"layer {piece.layer.name!r}: {why}; dimension {piece.dim} is taken as the batch one by its size only"
+
+
+def remedy(piece: Piece) -> str:
+    """What makes a guessed call attributable, for messages."""
+    if piece.pooled:  # (no tag can say which rows a selection holds)
+        return "only a self-check in its own step verifies such a call (check_every=1), or use method='split'"
+    return "tag the forward with s.rows(agent_of_row, batch_dim=d)"
 
 
 def by_row(x: torch.Tensor, rows: int) -> torch.Tensor:

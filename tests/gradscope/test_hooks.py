@@ -547,6 +547,59 @@ def test_weight_used_outside_its_layer_is_caught(leak):
             s.backward_tokens(model(x).sum(-1), torch.arange(4)[:, None].expand(4, 3))
 
 
+class ReadOnly(nn.Module):
+    """A Linear never called: its weight is read (as peft's target_parameters LoRA reads its lora_A / lora_B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(F.linear(x, self.lin.weight))
+
+
+def test_a_layer_never_called_whose_weight_moves_is_named():
+    torch.manual_seed(0)
+    model = ReadOnly()
+    probe = Probe(model, AGENTS, ROLES, method="hooks")
+    with pytest.raises(ProbeError, match=r"outside its layer's forward \(layer 'lin': no call this step, yet gradient\)"):
+        with probe.step(0) as s:
+            s.backward_tokens(model(torch.randn(4, 3, 4)).sum(-1), torch.arange(4)[:, None].expand(4, 3))
+
+
+def test_peft_target_parameters_lora_is_left_to_split():
+    """peft's LoRA on fused MoE experts (target_parameters) reads its lora_A / lora_B Linears' weights without
+    calling them: auto chose hooks and every step failed the add-up check; now auto measures them by split
+    (right Gram) and hooks refuses them, saying why."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_local_experts=4,
+                           num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),  # (fp32: grouped_mm has no fp64)
+                           LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"],
+                                      init_lora_weights=False))
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(ProbeError, match=r"experts\.lora_A.*target_parameters LoRA \(ParamWrapper\) never calls"):
+        Probe(model, AGENTS, ROLES, method="hooks")
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+    agent_ids = torch.arange(4)[:, None].expand(4, 5)
+
+    def token_loss():
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1)
+        return logp.gather(-1, ids[:, 1:, None])[..., 0] * torch.tensor([1.0, -0.5, 0.8, 0.3])[:, None]
+    want = brute_force_gram({a: token_loss()[agent_ids == k].sum() for k, a in enumerate(AGENTS)}, params)
+    model.zero_grad(set_to_none=True)
+    probe = Probe(model, AGENTS, ROLES)
+    try:
+        with probe.step(0) as s:
+            s.backward_tokens(token_loss(), agent_ids)
+    finally:
+        probe.close()
+    assert probe.method_name == "split" and rel_err(s.result.gram, want) < 1e-5
+
+
 def test_an_auxiliary_backward_inside_the_step_is_named_as_a_cause():
     """A regulariser's own .backward() inside the probed step adds gradient that belongs to no agent: the
     add-up check fails, and its error names that cause (it blamed only a weight used outside its layer)."""
