@@ -80,7 +80,8 @@ class UpdateResult:
         grad_scale: the fitted factor c between the probed gradient and the one the optimizer used
             (1 unclipped, < 1 clipped; NaN when ``step`` is None).
         residual: ``‖Δθ_actual − Σ_a Δθ_a‖ / ‖Δθ_actual‖``, the split's own check (the parameters'
-            rounding, ≈ eps·‖θ‖/‖Δθ‖: ~1e-15 in fp64, ~5e-5 in fp32 at lr 1e-4).
+            rounding, ≈ eps·‖θ‖/‖Δθ‖: ~1e-15 in fp64, ~5e-5 in fp32 at lr 1e-4); NaN where it is undefined (a
+            non-finite step the loop did not skip, or a split that moves what did not move).
         exact: False in sketch mode (inner products estimated from a coordinate sample).
     """
 
@@ -342,16 +343,50 @@ class UpdateAttribution:
             tracker.close()
         self.trackers = []
 
-    def state_dict(self) -> list[dict[int, torch.Tensor]]:
-        """The per-unit moments of every attached optimizer (attach order), for a checkpoint."""
-        return [{i: m.detach().cpu().clone() for i, m in t.moments.items()} for t in self.trackers]
+    def layout(self) -> str:
+        """What the moments are of: the components, and the coordinates followed (all, or the sample's k and seed)."""
+        sketch = getattr(self.coordinates, "sketch", None)
+        where = "all coordinates" if sketch is None else f"a coordinate sample (k={sketch.k}, seed={sketch.seed})"
+        return f"components {list(self.components)} at {where}"
 
-    def load_state_dict(self, state: list[dict[int, torch.Tensor]]) -> None:
-        """Restore :meth:`state_dict` into the same optimizers, attached in the same order."""
+    def state_dict(self) -> list[dict[int | str, Any]]:
+        """The per-unit moments of every attached optimizer (attach order), for a checkpoint: per optimizer,
+        parameter index → (U + 1, m) moments, and ``"layout"``: :meth:`layout`."""
+        return [{"layout": self.layout(), **{i: m.detach().cpu().clone() for i, m in t.moments.items()}}
+                for t in self.trackers]
+
+    def load_state_dict(self, state: list[dict[int | str, Any]]) -> None:
+        """Restore :meth:`state_dict` into the same optimizers, attached in the same order; ProbeError for a
+        state of another layout (unit, sketch), parameter or shape, before anything is restored."""
+        if not isinstance(state, (list, tuple)) or not all(isinstance(s, dict) for s in state):
+            got = type(state).__name__ if not isinstance(state, (list, tuple)) else \
+                f"a {type(state).__name__} holding {next(type(s).__name__ for s in state if not isinstance(s, dict))}"
+            raise ProbeError(f"update-attribution state must be a list of dicts, as Probe.update_state() returns, "
+                             f"got {got}")
         if len(state) != len(self.trackers):
             raise ProbeError(f"update-attribution state of {len(state)} optimizers for {len(self.trackers)} attached")
-        for tracker, moments in zip(self.trackers, state):
-            tracker.moments = {i: m.to(self.params[i].device, self.store.dtype) for i, m in moments.items()}
+        U = len(self.components) - len(UPDATE_EXTRAS)
+        restored = []
+        for moments in state:
+            saved = moments.get("layout", self.layout())  # (states saved before the layout was: shapes checked only)
+            if saved != self.layout():
+                raise ProbeError(f"update-attribution state of {saved}; this probe's: {self.layout()}")
+            loaded = {}
+            for i, m in moments.items():
+                if i == "layout":
+                    continue
+                if not isinstance(i, int) or not 0 <= i < len(self.params):
+                    raise ProbeError(f"update-attribution state names parameter {i!r}; the probe has "
+                                     f"{len(self.params)} (indices 0..{len(self.params) - 1})")
+                coords = self.coordinates.coords(i)
+                shape = (U + 1, self.params[i].numel() if coords is None else len(coords))
+                if not isinstance(m, torch.Tensor) or tuple(m.shape) != shape:
+                    raise ProbeError(f"update-attribution state of parameter {i}: expected a tensor of shape {shape}, "
+                                     f"got {tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+                loaded[i] = m.to(self.params[i].device, self.store.dtype)
+            restored.append(loaded)
+        for tracker, moments in zip(self.trackers, restored):
+            tracker.moments = moments
 
 
 def unit_names(unit: str, roles: Sequence[str], agents: Sequence[str]) -> list[str]:
@@ -417,6 +452,8 @@ class AdamTracker:
         self.covered = [i for i, p in enumerate(own.params) if id(p) in mine]
         self._use = own.pending is not None and own.pending_id != self.consumed
         self._before = {}
+        if any(own.params[i].grad is not None and own.params[i].grad.is_sparse for i in self.covered):
+            return  # Adam refuses sparse gradients in its step, with its own message: no split to make
         dot = norm = 0.0
         for i in self.covered:
             p = own.params[i]
@@ -494,5 +531,5 @@ class AdamTracker:
             components=own.components, gram=gram.numpy(),
             interference=inter.numpy() if used is not None else np.full((C, K), np.nan),
             grad_scale=self._scale if used is not None else float("nan"),
-            residual=(residual_sq / actual_sq) ** 0.5 if actual_sq > 0 else 0.0,
+            residual=(residual_sq / actual_sq) ** 0.5 if actual_sq > 0 else 0.0 if residual_sq == 0 else float("nan"),
             exact=own.coordinates.exact)

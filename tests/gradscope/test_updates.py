@@ -333,6 +333,76 @@ def test_other_optimizers_and_misuse_are_clear_errors():
     assert probe.last_update is None and not before
 
 
+def probe_with_state(unit: str = "role", sketch: Sketch | None = None, steps: int = 2):
+    """A float64 MLP probe with an attached AdamW after ``steps`` probed steps: (probe, optimizer, model)."""
+    model = make_mlp().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1)
+    probe = Probe(model, AGENTS, ROLES, method="split", sketch=sketch, optimizer=opt, update_unit=unit)
+    for t in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with probe.step(t) as s:
+            s.backward(mlp_terms(model, seed=t))
+        opt.step()
+    return probe, opt, model
+
+
+def test_update_state_of_another_layout_or_shape_is_refused_before_anything_changes():
+    """load_update_state checked only the number of optimizers: role moments loaded into an agent probe crashed
+    inside the next opt.step() (θ already moved), exact moments into a sampled probe were attributed to the
+    wrong coordinates silently, and garbage gave raw TypeErrors. Now a ProbeError, the probe's moments
+    untouched; a state saved before the layout was recorded (parameter index → moments only) still loads."""
+    saved, _, _ = probe_with_state("role")
+    state = saved.update_state()
+    saved.close()
+    for unit, sketch, why in (("agent", None, "components"), ("role", Sketch(40, seed=1), "coordinate sample")):
+        probe, _, _ = probe_with_state(unit, sketch)
+        before = {i: m.clone() for i, m in probe._updates.trackers[0].moments.items()}
+        with pytest.raises(ProbeError, match=f"update-attribution state of components.*this probe's.*{why}"):
+            probe.load_update_state(state)
+        assert all(torch.equal(m, before[i]) for i, m in probe._updates.trackers[0].moments.items())
+        probe.close()
+    probe, opt, model = probe_with_state("role")
+    i = next(k for k in state[0] if k != "layout")
+    for bad, match in ((None, "list of dicts.*got NoneType"), ({"a": 1}, "got dict"), ([None], "holding NoneType"),
+                       ([{**state[0], 99: state[0][i]}], "parameter 99"),
+                       ([{**state[0], i: state[0][i][:, :2]}], f"parameter {i}: expected a tensor of shape"),
+                       ([state[0], state[0]], "of 2 optimizers for 1 attached")):
+        with pytest.raises(ProbeError, match=match):
+            probe.load_update_state(bad)
+    probe.load_update_state([{k: v for k, v in state[0].items() if k != "layout"}])  # an older checkpoint's
+    assert all(torch.equal(m, state[0][k]) for k, m in probe._updates.trackers[0].moments.items())
+    opt.zero_grad(set_to_none=True)
+    with probe.step(2) as s:
+        s.backward(mlp_terms(model, seed=2))
+    opt.step()
+    assert probe.last_update.residual < 1e-12
+    probe.close()
+
+
+def test_a_non_finite_step_the_loop_did_not_skip_has_no_residual():
+    """A NaN gradient stepped anyway: θ is NaN and the split undefined; the residual said 0.0 (a perfect split)."""
+    probe, opt, model = probe_with_state()
+    opt.zero_grad(set_to_none=True)
+    with probe.step(2) as s:
+        s.backward({a: t * float("nan") for a, t in mlp_terms(model, seed=2).items()})
+    opt.step()
+    assert np.isnan(probe.last_update.residual)
+    probe.close()
+
+
+def test_adam_s_own_error_for_sparse_gradients_comes_through():
+    """Adam on a sparse gradient: torch's message, not a reshape error from inside the probe's step hook."""
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters())
+    probe = Probe(model, AGENTS, ROLES, method="split", optimizer=opt)
+    with probe.step(0) as s:
+        out = model(torch.arange(8).reshape(4, 2)).squeeze(-1)  # (B, T)
+        s.backward_tokens(out, torch.arange(4)[:, None].expand(4, 2))
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        opt.step()
+    probe.close()
+
+
 @pytest.mark.slow
 def test_two_ranks_give_the_one_process_split(tmp_path):
     """torchrun, 2 ranks (gloo): every rank's update attribution equals one process on the whole batch,
