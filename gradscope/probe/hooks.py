@@ -22,10 +22,11 @@ confirmed the dimension of this call of the layer (its k-th in the forward), the
 and the check is re-armed for the next probed step. Rows all of one agent attribute alike whatever the
 dimension: no guess; a call the loss does not reach needs none. Likewise rows of several agents that no passed
 check has yet seen with gradient (a first step of one agent's rows cannot show a model mixing rows): split, and
-the next step checks. A check confirms only what it gave a non-zero gradient to. An input
-with no dimension of size B falls back to split too, naming the layer. An input of B vectors in a forward
-whose other calls hold several tokens a row (vectors selected or routed to the layer — a head on the scored
-tokens, MoE experts — or pooled per row) is a guess in every step: a check verifies it for its own step only.
+the next step checks. A check confirms only what it gave a non-zero gradient to. An input with no
+dimension of size B falls back to split too, naming the layer (where the loss reaches the call). An input of
+B vectors in a forward whose other calls hold several tokens a row (vectors selected or routed to the layer —
+a head on the scored tokens, MoE experts — or pooled per row) is a guess in every step: a check verifies it
+for its own step only.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
 **Self-check.** On the first probed step with a call that hooks attributes from per-row or per-token
@@ -500,6 +501,7 @@ class HooksMethod(GramMethod):
                             "without trusting call order; tag each forward: with s.rows(agent_of_row): model(...)")
         if untagged:
             untagged[0].tag = row_agents
+        unmatched: list[tuple[Piece, str]] = []  # calls with no dimension of size B, and why
         for f in live:
             B = len(f.tag)
             f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
@@ -519,14 +521,16 @@ class HooksMethod(GramMethod):
                 piece.pooled = len(shape) == 1 and shape[0] == B < tokens
                 if f.batch_dim is not None:
                     if f.batch_dim >= len(shape) or shape[f.batch_dim] != B:
-                        raise Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
-                                        f"{tuple(piece.inputs.shape)} has no dimension {f.batch_dim} of size B = {B}")
+                        unmatched.append((piece, f"layer {piece.layer.name!r}: input of shape "
+                                          f"{tuple(piece.inputs.shape)} has no dimension {f.batch_dim} of size B = {B}"))
+                        continue
                     piece.dim, piece.ambiguous, piece.candidates = f.batch_dim, f.mixed and piece.pooled, (f.batch_dim,)
                     continue
                 dims = [d for d, n in enumerate(shape) if n == B]
                 if not dims:
-                    raise Fallback("unmatched-rows", f"layer {piece.layer.name!r}: input of shape "
-                                    f"{tuple(piece.inputs.shape)} has no dimension of the batch size B = {B}")
+                    unmatched.append((piece, f"layer {piece.layer.name!r}: input of shape "
+                                      f"{tuple(piece.inputs.shape)} has no dimension of the batch size B = {B}"))
+                    continue
                 verified = None if piece.pooled else piece.layer.batch_dims.get(piece.index)
                 piece.dim = verified if verified in dims else dims[0]
                 # a guess unless it is the leading dimension and the only one of size B: a non-leading one may be
@@ -534,6 +538,11 @@ class HooksMethod(GramMethod):
                 # rows of one agent every dimension attributes alike
                 piece.ambiguous = f.mixed and (piece.pooled or (verified not in dims and dims != [0]))
                 piece.candidates = tuple(dims)
+        if unmatched:  # a call the loss does not reach gets no gradient to attribute (peft DoRA's lora_A(eye(d)))
+            reachable = reachable_nodes(loss)
+            unmatched = [(p, why) for p, why in unmatched if p.edge is None or id(p.edge.node) in reachable]
+            if unmatched:
+                raise Fallback("unmatched-rows", unmatched[0][1])
         return live
 
     def _check_call(self, calls: list[tuple[Piece, torch.Tensor, GradientEdge]], terms: Terms, loss: torch.Tensor,

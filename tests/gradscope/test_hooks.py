@@ -600,6 +600,41 @@ def test_peft_target_parameters_lora_is_left_to_split():
     assert probe.method_name == "split" and rel_err(s.result.gram, want) < 1e-5
 
 
+def test_a_call_the_loss_does_not_reach_needs_no_batch_dimension():
+    """peft's DoRA calls lora_A on eye(d_in) for its weight norm, which it detaches: that call has no dimension of
+    size B but gets no gradient either. Probing the LoRA factors only (magnitudes frozen), every step fell back
+    to split for it; now hooks, with the right Gram."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from tests.gradscope.tiny_lm import token_logprobs
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config).double(),
+                           LoraConfig(r=2, target_modules=["q_proj", "down_proj"], use_dora=True,
+                                      init_lora_weights=False)).eval()
+    named = [(n, p) for n, p in model.named_parameters() if "lora_A" in n or "lora_B" in n]
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_A" in name or "lora_B" in name)
+    params = [p for _, p in named]
+    probe = Probe(model, AGENTS, ROLES, params=named)
+    try:
+        for step in range(2):
+            ids, mask = batch(4, 6, seed=step)
+            adv = torch.tensor([1.0, -0.5, 0.8, 0.3], dtype=torch.float64)[:, None]
+            agent_ids = torch.arange(4)[:, None].expand(4, 5)
+            want = brute_force_gram({a: (adv * token_logprobs(model, ids, mask))[agent_ids == k].sum()
+                                     for k, a in enumerate(AGENTS)}, params)
+            model.zero_grad(set_to_none=True)
+            with probe.step(step) as s:
+                s.backward_tokens(adv * token_logprobs(model, ids, mask), agent_ids)
+            assert s.result.method == ("hooks+check", "hooks")[step] and rel_err(s.result.gram, want) < 1e-10
+    finally:
+        probe.close()
+
+
 def test_an_auxiliary_backward_inside_the_step_is_named_as_a_cause():
     """A regulariser's own .backward() inside the probed step adds gradient that belongs to no agent: the
     add-up check fails, and its error names that cause (it blamed only a weight used outside its layer)."""
