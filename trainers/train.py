@@ -27,7 +27,7 @@ from gradscope.alerts.cli import collect_rules
 from gradscope.alerts.watch import catch_up
 from gradscope.errors import ConfigError, GradscopeError, GradscopeWarning
 from gradscope.paths import kind_of
-from gradscope.integrations.sinks import Sink, SinkWriter, check_sink, open_sink, parse_sinks
+from gradscope.integrations.sinks import Sink, SinkWriter, check_sink, open_sink, parse_sinks, sink_dest
 from gradscope.peft_support import adapter_parameters
 from gradscope.probe import Probe
 from gradscope.runfile import RunMeta, RunWriter, open_run
@@ -125,7 +125,7 @@ def check_writer(cfg: TrainConfig) -> None:
     """What only the writer (global rank 0) can check: its dashboards (a missing extra, an unusable
     ``--log-dir``) and the run file; other nodes may not see its folders."""
     for name in parse_sinks(cfg.log_to):
-        check_sink(name, log_folder(cfg) / name, new=not cfg.resume)
+        check_sink(name, sink_dest(log_folder(cfg), name), new=not cfg.resume)
     check_out(cfg, Path(cfg.out))
 
 
@@ -354,7 +354,7 @@ class Trainer:
     def _open_sinks(self, stack: ExitStack) -> list[Sink]:
         """The ``--log-to`` dashboards, each in its folder under :func:`log_folder`, closed by ``stack``."""
         folder, run_name, config = log_folder(self.cfg), Path(self.cfg.out).stem, self.stored_config()
-        return [stack.enter_context(closing(open_sink(name, folder / name, run_name=run_name, config=config)))
+        return [stack.enter_context(closing(open_sink(name, sink_dest(folder, name), run_name=run_name, config=config)))
                 for name in parse_sinks(self.cfg.log_to)]
 
     def _after(self, step: int, monitor: Monitor, writer: RunWriter, ckpt_dir: Path, scheduled: bool) -> Alert | None:

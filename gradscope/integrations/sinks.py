@@ -68,6 +68,12 @@ def open_sink(name: str, dest: str | os.PathLike[str], *, run_name: str, config:
         raise GradscopeError(f"cannot write {name} output to {dest}: {exc.strerror or exc}") from None
 
 
+def sink_dest(log_dir: str | os.PathLike[str], name: str) -> Path:
+    """The ``dest`` that puts sink ``name``'s output in ``log_dir/name`` (``--log-to``): W&B writes into a folder
+    ``wandb`` of its own under the one it is given, so it is given ``log_dir``."""
+    return Path(log_dir) if name == "wandb" else Path(log_dir) / name
+
+
 def check_sink(name: str, dest: str | os.PathLike[str], *, new: bool = True) -> None:
     """What can be checked of sink ``name`` at ``dest`` before anything is written, creating nothing:
     ConfigError for an unknown sink, a missing library or dependency (naming the extra), a ``dest``
@@ -121,6 +127,15 @@ class SinkWriter:
         self._records: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._names = DashboardNames(agents, agent_roles)  # the names export gives: one rule for both ways out
         self._closed = False
+        resumed = getattr(writer, "resumed", None)
+        if isinstance(resumed, tuple):  # the resumed file's own event, written before the dashboards were attached
+            step, message = resumed
+            line = event_line("resume", "info", message)
+            try:
+                self._each(f"at step {step}", lambda sink: sink.text(step, EVENTS_TAG, [line]))
+            except BaseException as exc:  # as a failure later would: the run writer closed, then the sinks
+                self.__exit__(type(exc), exc, exc.__traceback__)
+                raise
 
     def _each(self, when: str, call: Callable[[Sink], object]) -> None:
         """``call`` on every sink; a sink's failure is one line (the run file stays readable: the

@@ -117,6 +117,7 @@ class RunWriter:
         self.path = os.fspath(path)
         self.meta = dataclasses.replace(meta.with_defaults(), flush_every=flush_every)
         self.flush_every = flush_every
+        self.resumed: tuple[int, str] | None = None  # (step, message) of the "resume" event a resume wrote
         self._f: h5py.File | None = None  # set only once the file is fully created
         if os.path.lexists(self.path):
             if not overwrite:
@@ -528,6 +529,7 @@ class RunWriter:
                 w = cls(tmp, meta, flush_every)
                 message = w._copy_below(old, keep)
             w.log_event(keep, "resume", message)
+            w.resumed = (keep, message)
             w.flush()
             fsync(tmp)
             with contextlib.suppress(OSError):

@@ -31,10 +31,11 @@ def tensorboard_texts(logdir: Path) -> dict[str, dict[int, str]]:
 
 
 def wandb_history(folder: Path) -> dict[str, dict[int, object]]:
-    """key → {step: value} from the ``history`` records of the offline run under ``folder``."""
+    """key → {step: value} from the ``history`` records of the offline run in ``folder`` (``folder/offline-run-*``,
+    where the docs say it is)."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = list(Path(folder).rglob("offline-run-*/run-*.wandb"))
+    (path,) = list(Path(folder).glob("offline-run-*/run-*.wandb"))
     data = path.read_bytes()
     assert data[:4] == b":W&B", "not a W&B run file"
     pos, pending, records = 7, b"", []

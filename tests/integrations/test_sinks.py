@@ -95,7 +95,7 @@ def test_a_metric_named_like_a_statistic_never_replaces_it(ip_run, tmp_path, cap
 
 def test_export_wandb_offline(ip_run, tmp_path, capsys):
     _export(ip_run, "wandb", tmp_path, capsys)
-    history = readback.wandb_history(tmp_path)
+    history = readback.wandb_history(tmp_path / "wandb")  # DEST/wandb/offline-run-*
     _check(history, ip_run)
     assert "share[aggregator]" in history["gradscope/events"][7]
     assert "cliff" in next(iter(history["gradscope/findings"].values()))
@@ -205,8 +205,9 @@ def test_train_log_to_every_dashboard(tmp_path, alternating_rewards):
     assert "grad_norm[voter]" in events and "grad_norm[aggregator]" in events
 
 
-def recording_writer():
-    """A SinkWriter over no run file into one sink that records what it is sent: (writer, sink)."""
+def recording_writer(run_writer=None):
+    """A SinkWriter over ``run_writer`` (default: no run file) into one sink that records what it is sent:
+    (writer, sink)."""
     from gradscope.integrations.sinks import Sink, SinkWriter
 
     class Recording(Sink):
@@ -227,7 +228,22 @@ def recording_writer():
             return lambda *a, **k: None
 
     sink = Recording()
-    return SinkWriter(Null(), [sink], ["voter0", "aggregator"], ["voter", "aggregator"]), sink
+    return SinkWriter(Null() if run_writer is None else run_writer, [sink], ["voter0", "aggregator"],
+                      ["voter", "aggregator"]), sink
+
+
+def test_a_resumed_run_tells_the_dashboards_it_was_resumed(ip_run, tmp_path):
+    """train --resume --log-to: the file's "resume" event reached only the file (the resume writes it before
+    any dashboard is attached); `gradscope export` showed it. Now the dashboards get it too, at its step."""
+    import shutil
+
+    path = tmp_path / "ip.h5"
+    shutil.copy(ip_run, path)
+    writer, sink = recording_writer(RunWriter.resume(path, keep_below_step=6))
+    writer.close()
+    with open_run(path) as run:
+        (row,) = [e for e in run.events.itertuples() if e.kind == "resume"][-1:]
+    assert sink.texts == [(6, "gradscope/events", [f"[info] resume: {row.message}"])]
 
 
 def test_an_event_between_a_steps_records_does_not_split_the_step():
