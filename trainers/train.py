@@ -267,7 +267,8 @@ class Trainer:
                        groups=self.probe.groups if per_group else [],
                        group_sizes=self.probe.group_sizes if per_group else [],
                        config=self.stored_config(),
-                       seed=self.cfg.seed, probe_method=self.probe.measurement, scalar_names=STEP_SCALARS,
+                       seed=self.cfg.seed, scalar_names=STEP_SCALARS,
+                       probe_method="none" if self.cfg.probe == "none" else self.probe.measurement,
                        update_unit=self.probe.update_unit or "", versions=self.base_versions())
 
     def base_versions(self) -> dict[str, str]:

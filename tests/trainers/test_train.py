@@ -93,6 +93,15 @@ def test_every_workflow_and_task_runs(tmp_path, workflow, task):
         assert json.loads(json.dumps(run.meta.config))["workflow"] == workflow
 
 
+def test_an_unprobed_run_says_so(tmp_path):
+    """--probe none: no record, and the file's probe_method says none (it said hooks: the method never used)."""
+    cfg = small(tmp_path, probe="none", steps=2)
+    Trainer(cfg).run()
+    with open_run(cfg.out) as run:
+        assert run.n_steps == 0 and run.meta.probe_method == "none" and run.closed
+        assert list(run.evals_wide().index) == [0, 2]
+
+
 def test_ip_and_sp_gram_structure_and_probe_matches_trainer(tmp_path, alternating_rewards):
     """IP: voter–aggregator entries are exactly 0; SP: they are not. The probe's total norm equals
     the trainer's own pre-clipping grad norm, record by record; a 3-voter role takes 3× the steps."""
