@@ -54,6 +54,7 @@ def summarize(series: RunSeries) -> dict:
     acc = series.accuracy
     out = {"workflow": series.config.get("workflow"), "policy": series.config.get("policy"),
            "model": series.config.get("model"), "task": series.config.get("task"),
+           "scale": series.config.get("scale"),  # (the testbed's size: its label is testbed-<scale>, as in tables)
            "agents": series.agents, "roles": series.roles, "steps": int(len(series.steps)),
            "records": int(len(series.gram))}
     if len(acc):

@@ -476,6 +476,21 @@ def test_text_reports_show_at_most_n_findings_per_kind_and_json_all() -> None:
     assert data["summary"] == {"steps": 130, "records": 130}
 
 
+def test_the_report_names_a_testbed_model_as_tables_do() -> None:
+    """analyze said `model testbed` where `gradscope table` says `testbed-0.3M` for the same run."""
+    import dataclasses
+
+    from gradscope.analyses.report import summarize
+
+    series = dataclasses.replace(syn.bland_series(12), config={"workflow": "voting", "policy": "ip", "model": "testbed",
+                                                           "task": "math", "scale": "0.3M"})
+    summary = summarize(series)
+    assert summary["scale"] == "0.3M" and list(summary)[:5] == ["workflow", "policy", "model", "task", "scale"]
+    report = Report(run="r.h5", summary=summary, findings=[], notes=[])
+    for out in (to_text(report), to_markdown(report)):
+        assert "voting / math / policy ip / model testbed-0.3M" in out
+
+
 def test_a_recovered_dip_is_not_the_onset_of_a_later_cliff() -> None:
     """A dip that recovers half-way is passed over even when a deeper fall comes later (the dip's trough
     was the minimum of the whole rest, the later fall's, so the dip 'never recovered': onset 40)."""
