@@ -24,9 +24,9 @@ dimension: no guess; a call the loss does not reach needs none. Likewise rows of
 check has yet seen with gradient (a first step of one agent's rows cannot show a model mixing rows): split, and
 the next step checks. A check confirms only what it gave a non-zero gradient to. An input with no
 dimension of size B falls back to split too, naming the layer (where the loss reaches the call). An input of
-B vectors in a forward whose other calls hold several tokens a row (vectors selected or routed to the layer —
-a head on the scored tokens, MoE experts — or pooled per row) is a guess in every step: a check verifies it
-for its own step only.
+B vectors in a forward of more than B positions (its model input, its loss's terms, or a call the loss
+reaches) — vectors selected or routed to the layer (a head on the scored tokens, MoE experts) or pooled per
+row — is a guess in every step unless ``batch_dim`` was declared: a check verifies it for its own step only.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
 **Self-check.** On the first probed step with a call that hooks attributes from per-row or per-token
@@ -86,7 +86,8 @@ from gradscope.probe.distributed import all_reduce_max, all_reduce_sum_
 from gradscope.probe.fused import as_dtype
 from gradscope.probe.layers import Layer, find_layers
 from gradscope.probe.method import GramMethod, Terms
-from gradscope.probe.rows import Fallback, Forward, Piece, by_row, guessed, in_backward, reachable_nodes, remedy
+from gradscope.probe.rows import (Fallback, Forward, Piece, by_row, guessed, in_backward, positions, reachable_nodes,
+                                  remedy)
 from gradscope.probe.split import Grads, backward_per_agent
 from gradscope.probe.store import FlatStore, Store, each_squared_norm, squared_norms
 from gradscope.probe.tolerance import add_up_tolerance, differs, least_precise
@@ -142,6 +143,7 @@ class HooksMethod(GramMethod):
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
         self._tagged: Forward | None = None  # the forward its layer calls go to
         self._new_forward = True
+        self._positions = 0  # of the latest untagged model call's input (Forward.positions)
         self._in_call = False
         self._own = False  # a split fallback's or the self-check's backward is running
         self._aux = False  # since the last probed backward, a backward outside the probe reached hooked calls
@@ -173,17 +175,18 @@ class HooksMethod(GramMethod):
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or in_backward():
             return
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
         if self._tag is None:
             self._new_forward = True
+            self._positions = positions(first)
             self._prune(lambda f: not f.consumed)
             return
         agents, batch_dim, offset = self._tag
-        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
         dim = batch_dim or 0
         n = first.shape[dim] if first is not None and first.dim() > dim else len(agents) - offset
         if offset + n > len(agents):
             raise ProbeError(f"the model calls inside s.rows(...) hold more rows than its {len(agents)} agents")
-        self._tagged = Forward(tag=agents[offset:offset + n], batch_dim=batch_dim)
+        self._tagged = Forward(tag=agents[offset:offset + n], batch_dim=batch_dim, positions=positions(first))
         self._forwards.append(self._tagged)
         self._tag = (agents, batch_dim, offset + n)
 
@@ -205,7 +208,7 @@ class HooksMethod(GramMethod):
         if forward is None:
             if self._new_forward or not self._forwards or self._forwards[-1].tag is not None \
                     or self._forwards[-1].consumed:
-                self._forwards.append(Forward())
+                self._forwards.append(Forward(positions=self._positions))
                 self._new_forward = False
             forward = self._forwards[-1]
         # (the output is never a leaf: its edge is its grad_fn; get_gradient_edge's checks cost ~40 µs a call)
@@ -502,30 +505,43 @@ class HooksMethod(GramMethod):
         if untagged:
             untagged[0].tag = row_agents
         unmatched: list[tuple[Piece, str]] = []  # calls with no dimension of size B, and why
+        reach: set[int] | None = None
+
+        def reached(piece: Piece) -> bool:  # whether the loss reaches the call (a graph walk, once, when asked)
+            nonlocal reach
+            if reach is None:
+                reach = reachable_nodes(loss)
+            return piece.edge is None or id(piece.edge.node) in reach
+        per_row = loss.numel() // loss.shape[0] if loss.dim() and loss.shape[0] else 1  # the loss's terms a row
         for f in live:
             B = len(f.tag)
             f.attach(torch.as_tensor(f.tag, device=f.pieces[0].layer.module.weight.device))
             calls: dict[Layer, int] = {}
-            # the calls' inputs by token (the feature axis dropped; an embedding's ids whole)
+            # the calls' inputs by position (the feature axis dropped; an embedding's ids whole)
             shapes = [None if p.inputs is None else p.inputs.shape if p.layer.embedding else p.inputs.shape[:-1]
                       for p in f.pieces]
-            tokens = max((s.numel() for s in shapes if s is not None), default=0)
-            for piece, shape in zip(f.pieces, shapes):
+            # B vectors — one a row at most — where the forward holds several positions a row (its input, the loss,
+            # or a call the loss reaches): vectors selected or routed to the layer (a head on the scored tokens, MoE
+            # experts) or pooled per row, which shapes cannot tell apart
+            vectors = [s is not None and len(s) == 1 and s[0] == B for s in shapes]
+            wide = False
+            if any(vectors) and f.batch_dim is None:
+                wide = max(f.positions, f.rows * per_row) > B or any(
+                    s is not None and s.numel() > B and reached(p) for p, s in zip(f.pieces, shapes))
+            for piece, shape, vector in zip(f.pieces, shapes, vectors):
                 piece.index = calls.get(piece.layer, 0)
                 calls[piece.layer] = piece.index + 1
                 if shape is None:
                     continue
-                # B vectors where other calls of the forward hold several tokens a row: selected or routed to the
-                # layer (a head on the scored tokens, MoE experts) or pooled per row, which shapes cannot tell
-                # apart; a check verifies such a call in its own step only (the selection may change)
-                piece.pooled = len(shape) == 1 and shape[0] == B < tokens
-                if f.batch_dim is not None:
+                if f.batch_dim is not None:  # declared: it holds the rows (B vectors too)
                     if f.batch_dim >= len(shape) or shape[f.batch_dim] != B:
                         unmatched.append((piece, f"layer {piece.layer.name!r}: input of shape "
                                           f"{tuple(piece.inputs.shape)} has no dimension {f.batch_dim} of size B = {B}"))
                         continue
-                    piece.dim, piece.ambiguous, piece.candidates = f.batch_dim, f.mixed and piece.pooled, (f.batch_dim,)
+                    piece.dim = f.batch_dim
                     continue
+                # a guess in every step, verified by a check in its own step only (a selection may change)
+                piece.pooled = vector and wide
                 dims = [d for d, n in enumerate(shape) if n == B]
                 if not dims:
                     unmatched.append((piece, f"layer {piece.layer.name!r}: input of shape "
@@ -539,8 +555,7 @@ class HooksMethod(GramMethod):
                 piece.ambiguous = f.mixed and (piece.pooled or (verified not in dims and dims != [0]))
                 piece.candidates = tuple(dims)
         if unmatched:  # a call the loss does not reach gets no gradient to attribute (peft DoRA's lora_A(eye(d)))
-            reachable = reachable_nodes(loss)
-            unmatched = [(p, why) for p, why in unmatched if p.edge is None or id(p.edge.node) in reachable]
+            unmatched = [(p, why) for p, why in unmatched if reached(p)]
             if unmatched:
                 raise Fallback("unmatched-rows", unmatched[0][1])
         return live
@@ -643,7 +658,7 @@ class HooksMethod(GramMethod):
                      else "a probed weight is used outside its layer's forward")
             if uncalled:
                 cause += (f" (layer{'s' if len(uncalled) > 1 else ''} {', '.join(map(repr, uncalled[:3]))}"
-                          f"{' …' if len(uncalled) > 3 else ''}: no call this step, yet gradient)")
+                          f"{' …' if len(uncalled) > 3 else ''}: gradient, but no call of it that a backward reached)")
             raise ProbeError(f"hooks: the per-agent gradients of parameter group(s) {bad} do not add up to their "
                              f"gradient; {cause}. Use method='split'")
         self.record = ("split-fallback:" + self._reasons[0] if self._reasons
@@ -651,9 +666,9 @@ class HooksMethod(GramMethod):
         return grams
 
     def _uncalled(self) -> list[str]:
-        """The hooked layers with no call hooks attributed this step whose probed parameters received gradient
-        all the same (their weight is read outside their forward); none when split measured a call (its
-        gradients need no layer call)."""
+        """The hooked layers with no call hooks attributed this step (none, or none a backward reached) whose probed
+        parameters received gradient all the same (their weight is read outside their forward); none when split
+        measured a call (its gradients need no layer call)."""
         if self._reasons:
             return []
         attributed = self.acc.magnitudes()  # (every attributed call adds to its parameters' magnitudes)

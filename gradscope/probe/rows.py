@@ -19,6 +19,7 @@ class Forward:
 
     tag: torch.Tensor | None = None   # (B,) agents given with the forward (s.rows), or None
     batch_dim: int | None = None      # given with the tag
+    positions: int = 0                # of the model call's input (:func:`positions`; 0: no model call seen)
     pieces: list["Piece"] = field(default_factory=list)
     consumed: bool = False            # a backward has reached it
     rows: int = 0
@@ -85,6 +86,14 @@ class Fallback(Exception):
         self.reason = reason
 
 
+def positions(x: torch.Tensor | None) -> int:
+    """The positions a model input holds: token ids (integers) all of them, vectors (floating point: features on
+    the last axis) ``numel / d``; 0 for no tensor."""
+    if x is None:
+        return 0
+    return x.numel() // x.shape[-1] if x.is_floating_point() and x.dim() > 1 and x.shape[-1] else x.numel()
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward on this thread (a layer called now is a checkpoint's
     recomputation); torch.utils.checkpoint asks autograd the same way."""
@@ -120,8 +129,10 @@ def guessed(piece: Piece) -> str:
 
 def remedy(piece: Piece) -> str:
     """What makes a guessed call attributable, for messages."""
-    if piece.pooled:  # (no tag can say which rows a selection holds)
-        return "only a self-check in its own step verifies such a call (check_every=1), or use method='split'"
+    if piece.pooled:
+        return ("if its input holds one vector per row, declare it: s.rows(agent_of_row, batch_dim=0); vectors "
+                "selected or routed to it only a self-check in the same step verifies (check_every=1), or use "
+                "method='split'")
     return "tag the forward with s.rows(agent_of_row, batch_dim=d)"
 
 

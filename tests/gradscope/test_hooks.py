@@ -562,7 +562,7 @@ def test_a_layer_never_called_whose_weight_moves_is_named():
     torch.manual_seed(0)
     model = ReadOnly()
     probe = Probe(model, AGENTS, ROLES, method="hooks")
-    with pytest.raises(ProbeError, match=r"outside its layer's forward \(layer 'lin': no call this step, yet gradient\)"):
+    with pytest.raises(ProbeError, match=r"outside its layer's forward \(layer 'lin': gradient, but no call of it that a backward reached\)"):
         with probe.step(0) as s:
             s.backward_tokens(model(torch.randn(4, 3, 4)).sum(-1), torch.arange(4)[:, None].expand(4, 3))
 
