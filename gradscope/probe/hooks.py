@@ -24,9 +24,10 @@ dimension: no guess; a call the loss does not reach needs none. Likewise rows of
 check has yet seen with gradient (a first step of one agent's rows cannot show a model mixing rows): split, and
 the next step checks. A check confirms only what it gave a non-zero gradient to. An input with no
 dimension of size B falls back to split too, naming the layer (where the loss reaches the call). An input of
-B vectors in a forward of more than B positions (its model input, its loss's terms, or a call the loss
-reaches) — vectors selected or routed to the layer (a head on the scored tokens, MoE experts) or pooled per
-row — is a guess in every step unless ``batch_dim`` was declared: a check verifies it for its own step only.
+B positions in a forward of more (its model call's inputs — unknown without one —, its loss's terms, or a call
+the loss reaches) — vectors selected or routed to the layer (a head on the scored tokens, MoE experts) or
+pooled per row — is a guess in every step unless ``batch_dim`` was declared: a check verifies it for its own
+step only.
 Several untagged forwards cannot be matched to loss rows without trusting call order: split too.
 
 **Self-check.** On the first probed step with a call that hooks attributes from per-row or per-token
@@ -143,7 +144,7 @@ class HooksMethod(GramMethod):
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
         self._tagged: Forward | None = None  # the forward its layer calls go to
         self._new_forward = True
-        self._positions = 0  # of the latest untagged model call's input (Forward.positions)
+        self._positions = 0  # of the untagged model call whose forward is yet to start (Forward.positions)
         self._in_call = False
         self._own = False  # a split fallback's or the self-check's backward is running
         self._aux = False  # since the last probed backward, a backward outside the probe reached hooked calls
@@ -175,10 +176,11 @@ class HooksMethod(GramMethod):
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or in_backward():
             return
-        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        first = tensors[0] if tensors else None
         if self._tag is None:
             self._new_forward = True
-            self._positions = positions(first)
+            self._positions = max(map(positions, tensors), default=0)
             self._prune(lambda f: not f.consumed)
             return
         agents, batch_dim, offset = self._tag
@@ -186,7 +188,8 @@ class HooksMethod(GramMethod):
         n = first.shape[dim] if first is not None and first.dim() > dim else len(agents) - offset
         if offset + n > len(agents):
             raise ProbeError(f"the model calls inside s.rows(...) hold more rows than its {len(agents)} agents")
-        self._tagged = Forward(tag=agents[offset:offset + n], batch_dim=batch_dim, positions=positions(first))
+        self._tagged = Forward(tag=agents[offset:offset + n], batch_dim=batch_dim,
+                               positions=max(map(positions, tensors), default=0))
         self._forwards.append(self._tagged)
         self._tag = (agents, batch_dim, offset + n)
 
@@ -209,7 +212,7 @@ class HooksMethod(GramMethod):
             if self._new_forward or not self._forwards or self._forwards[-1].tag is not None \
                     or self._forwards[-1].consumed:
                 self._forwards.append(Forward(positions=self._positions))
-                self._new_forward = False
+                self._new_forward, self._positions = False, 0  # (a later forward without a model call: unknown)
             forward = self._forwards[-1]
         # (the output is never a leaf: its edge is its grad_fn; get_gradient_edge's checks cost ~40 µs a call)
         edge = GradientEdge(output.grad_fn, output.output_nr) if output.grad_fn is not None else get_gradient_edge(output)
@@ -520,13 +523,13 @@ class HooksMethod(GramMethod):
             # the calls' inputs by position (the feature axis dropped; an embedding's ids whole)
             shapes = [None if p.inputs is None else p.inputs.shape if p.layer.embedding else p.inputs.shape[:-1]
                       for p in f.pieces]
-            # B vectors — one a row at most — where the forward holds several positions a row (its input, the loss,
-            # or a call the loss reaches): vectors selected or routed to the layer (a head on the scored tokens, MoE
-            # experts) or pooled per row, which shapes cannot tell apart
-            vectors = [s is not None and len(s) == 1 and s[0] == B for s in shapes]
+            # B vectors — an input of B positions, one a row at most — where the forward holds more (its model input,
+            # unknown without a model call; the loss; a call the loss reaches): vectors selected or routed to the
+            # layer (a head on the scored tokens, MoE experts) or pooled per row, which shapes cannot tell apart
+            vectors = [s is not None and s.numel() == B for s in shapes]
             wide = False
             if any(vectors) and f.batch_dim is None:
-                wide = max(f.positions, f.rows * per_row) > B or any(
+                wide = f.positions == 0 or max(f.positions, f.rows * per_row) > B or any(
                     s is not None and s.numel() > B and reached(p) for p, s in zip(f.pieces, shapes))
             for piece, shape, vector in zip(f.pieces, shapes, vectors):
                 piece.index = calls.get(piece.layer, 0)

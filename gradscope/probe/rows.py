@@ -19,7 +19,7 @@ class Forward:
 
     tag: torch.Tensor | None = None   # (B,) agents given with the forward (s.rows), or None
     batch_dim: int | None = None      # given with the tag
-    positions: int = 0                # of the model call's input (:func:`positions`; 0: no model call seen)
+    positions: int = 0                # of the model call's inputs, the most (:func:`positions`; 0: no model call seen)
     pieces: list["Piece"] = field(default_factory=list)
     consumed: bool = False            # a backward has reached it
     rows: int = 0
@@ -71,7 +71,7 @@ class Piece:
     inputs: torch.Tensor | None
     dim: int = 0              # the batch dimension of ``inputs``
     ambiguous: bool = False   # the batch dimension is a guess by size (see HooksMethod._match), not verified
-    pooled: bool = False      # its input holds B vectors, its forward's other calls several tokens a row
+    pooled: bool = False      # its input holds B positions, its forward more: a guess in every step
     candidates: tuple = ()    # the input's dimensions of size B
     index: int = 0            # the call's place among its layer's calls in its forward (0: the first)
     edge: object = None       # the output's GradientEdge: reachable from a loss? its gradient (self-check)
@@ -117,9 +117,9 @@ def reachable_nodes(loss: torch.Tensor) -> set[int]:
 def guessed(piece: Piece) -> str:
     """Why a call's batch dimension is a guess (:meth:`gradscope.probe.hooks.HooksMethod._match`), for messages."""
     B, dims = piece.forward.rows, piece.candidates
-    why = (f"its input holds B = {B} vectors where other calls of its forward hold several tokens a row: vectors "
-           "selected or routed to it (a head on the scored tokens, MoE experts) or pooled per row, which shapes "
-           "cannot tell apart" if piece.pooled else
+    why = (f"its input holds B = {B} vectors where its forward holds more positions (or the model's own call was "
+           "not seen): vectors selected or routed to it (a head on the scored tokens, MoE experts) or pooled per "
+           "row, which shapes cannot tell apart" if piece.pooled else
            f"several dimensions of its input, {list(dims)}, have size B = {B} (a sequence-first (T, B, d) input "
            "with T == B?)" if len(dims) > 1 else
            f"the only dimension of its input of size B = {B} is dimension {dims[0]}, not the leading one: the batch "

@@ -950,9 +950,10 @@ def test_vectors_routed_to_a_layer_are_never_taken_for_rows_unchecked(check_ever
                        ["split-fallback:unmatched-rows"] * 2)
 
 
-def test_a_head_on_the_scored_tokens_is_not_blamed_on_the_row_tags():
-    """A head applied to the scored tokens only (N of them; N == B here) with no check: split (right Gram), not
-    the add-up check's error blaming the row tags for gradient on rows of no agent."""
+@pytest.mark.parametrize("unit_axis", [False, True])
+def test_a_head_on_the_scored_tokens_is_not_blamed_on_the_row_tags(unit_axis):
+    """A head applied to the scored tokens only (N of them; N == B here; also as (N, 1, d)) with no check: split
+    (right Gram), not the add-up check's error blaming the row tags for gradient on rows of no agent."""
     torch.manual_seed(0)
     body, head = nn.Linear(8, 8).double(), nn.Linear(8, 1).double()
     model = nn.ModuleDict({"body": body, "head": head})
@@ -961,8 +962,9 @@ def test_a_head_on_the_scored_tokens_is_not_blamed_on_the_row_tags():
 
     def token_loss():
         h = torch.tanh(body(x))
+        selected = h[agent_ids >= 0][:, None] if unit_axis else h[agent_ids >= 0]
         out = torch.zeros(4, 3, dtype=torch.float64).index_put((agent_ids >= 0).nonzero(as_tuple=True),
-                                                               head(h[agent_ids >= 0]).squeeze(-1))
+                                                               head(selected).reshape(-1))
         return out.square()
     want = brute_force_gram({a: token_loss()[agent_ids == k].sum() for k, a in enumerate(AGENTS)},
                             list(model.parameters()))
@@ -1025,3 +1027,55 @@ def test_a_head_on_one_vector_per_row(declared):
             assert methods == ["hooks+check", "hooks", "hooks"], kw
         else:
             assert methods == ["hooks+check", "error" if kw else "split-fallback:unmatched-rows", "hooks+check"], kw
+
+
+class WithAside(nn.Module):
+    """A per-sample model (input (B, d)) that also runs a probed layer on 3B vectors the loss never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.aside, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.aside(x.repeat(3, 1)).detach()  # (a statistic the loss does not use)
+        return self.head(torch.tanh(self.body(x))).squeeze(-1)
+
+
+def routed_by_parts(model: Routed, ids: torch.Tensor) -> torch.Tensor:
+    """Routed's forward through its submodules, never calling the model: its input is not seen."""
+    return Routed.forward(model, ids)
+
+
+@pytest.mark.parametrize("case", ["per-sample", "unreached-aside", "experts-per-row-loss", "no-model-call"])
+def test_b_vectors_are_judged_by_the_positions_of_their_forward(case):
+    """(B, d) inputs are B vectors of a forward of B positions in a per-sample model: hooks, also beside a call
+    the loss does not reach on more vectors. Routed ones are caught also with a per-row loss and only the experts
+    probed (the model's input is what tells), and when the model itself is never called (positions unknown)."""
+    routed = case in ("experts-per-row-loss", "no-model-call")
+    model = (Routed() if routed else WithAside() if case == "unreached-aside" else
+             nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))).double()
+    params = [(n, p) for n, p in model.named_parameters() if not routed or n.startswith("experts")]
+    adv = torch.tensor(ADV, dtype=torch.float64)
+
+    def row_loss(step: int) -> torch.Tensor:
+        if routed:
+            out = (routed_by_parts if case == "no-model-call" else Routed.__call__)(model, ROUTES[step])
+            return adv * out.square().sum(1)
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        return adv * model(x).squeeze(-1).square()
+    probe = Probe(model, AGENTS, ROLES, params=params)
+    methods = []
+    try:
+        for step in range(2):
+            want = brute_force_gram({a: row_loss(step)[k] for k, a in enumerate(AGENTS)}, [p for _, p in params])
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with probe.step(step) as s:
+                    s.backward_rows(row_loss(step), ROW_AGENT)
+            methods.append(s.result.method)
+            assert rel_err(s.result.gram, want) < 1e-10, (step, s.result.method)
+    finally:
+        probe.close()
+    assert methods == (["hooks+check", "split-fallback:unmatched-rows"] if routed else ["hooks+check", "hooks"])
