@@ -135,7 +135,8 @@ class HooksMethod(GramMethod):
         self._installed = [fused.Installed(layer.module, partial(self._on_forward, layer)) for layer in self.layers
                            if type(layer.module) is nn.Linear and "forward" not in vars(layer.module)]
         installed = {id(i.module) for i in self._installed}
-        self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
+        self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
+                         model.register_forward_hook(self._after_model_call)]
         self._handles += [layer.module.register_forward_hook(partial(self._on_forward_hook, layer), with_kwargs=True)
                           for layer in self.layers if id(layer.module) not in installed]
         for layer in self.layers:
@@ -143,6 +144,7 @@ class HooksMethod(GramMethod):
         self._forwards: list[Forward] = []
         self._tag: tuple[torch.Tensor, int | None, int] | None = None  # an open s.rows block: agents, dim, rows used
         self._tagged: Forward | None = None  # the forward its layer calls go to
+        self._whole: Forward | None = None  # an open s.rows block's calls outside the model: all its rows
         self._new_forward = True
         self._positions = 0  # of the untagged model call whose forward is yet to start (Forward.positions)
         self._in_call = False
@@ -234,22 +236,27 @@ class HooksMethod(GramMethod):
     def tag(self, agents: torch.Tensor, batch_dim: int | None = None) -> Iterator[None]:
         """The model calls inside the block hold rows ``agents`` (B,) between them, in call order (one call,
         or chunks of the batch: a call's rows are its first tensor argument's batch dimension). Layers
-        called without the model go to one forward holding all B rows."""
+        called outside a model call (before, between or after them: a head on the concatenated chunks) go to one
+        forward holding all B rows, whose positions are unknown."""
         if self._tag is not None:
             raise ProbeError("s.rows(...) blocks cannot nest")
         self._prune(lambda f: not f.consumed)
         self._tag = (agents, batch_dim, 0)
-        self._tagged = Forward(tag=agents, batch_dim=batch_dim)  # replaced at the first model call
+        self._whole = self._tagged = Forward(tag=agents, batch_dim=batch_dim)  # a model call's own while it runs
         try:
             yield
             used = self._tag[2]
             if used not in (0, len(agents)):
                 raise ProbeError(f"the model calls inside s.rows(...) hold {used} rows, its agents {len(agents)}")
-            if used == 0 and self._tagged.pieces:
-                self._forwards.append(self._tagged)
+            if self._whole.pieces:
+                self._forwards.append(self._whole)
         finally:
-            self._tag, self._tagged = None, None
+            self._tag, self._tagged, self._whole = None, None, None
             self._new_forward = True
+
+    def _after_model_call(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._tag is not None:  # layers called from here on, outside the model, hold the block's rows
+            self._tagged = self._whole
 
     def _on_recomputed_grad(self, grad: torch.Tensor) -> None:
         """A recomputed call received gradient: reentrant checkpointing back-propagates through its

@@ -1079,3 +1079,47 @@ def test_b_vectors_are_judged_by_the_positions_of_their_forward(case):
     finally:
         probe.close()
     assert methods == (["hooks+check", "split-fallback:unmatched-rows"] if routed else ["hooks+check", "hooks"])
+
+
+class ChunkBody(nn.Module):
+    """Embedding → Linear (called in chunks of rows); ``head`` is called by the loop, outside the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.body, self.head = nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.body(self.emb(ids)))
+
+
+def test_a_layer_called_after_chunked_model_calls_holds_the_whole_block():
+    """One s.rows block calls the model on 3 rows, then on 1, then the model's head on the last position of all
+    4 rows ((B, 1, d)): the head's call went to the last chunk's forward (1 row, one agent) and was attributed to
+    that agent whole — hooks, 49 % off. It now holds the block's 4 rows (positions unknown: checked or split)."""
+    model = ChunkBody().double()
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+    adv = torch.tensor(ADV, dtype=torch.float64)
+
+    def row_loss() -> torch.Tensor:
+        h = torch.cat([model(ids[:3]), model(ids[3:])])
+        return adv * model.head(h[:, -1:]).reshape(4).square()
+    probe = Probe(model, AGENTS, ROLES)
+    methods = []
+    try:
+        for step, agents in enumerate(([0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1])):
+            agents = torch.tensor(agents)
+            want = brute_force_gram({a: row_loss()[agents == k].sum() for k, a in enumerate(AGENTS)},
+                                    list(model.parameters()))
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                with probe.step(step) as s:
+                    with s.rows(agents):
+                        loss = row_loss()
+                    s.backward_rows(loss, agents)
+            methods.append(s.result.method)
+            assert rel_err(s.result.gram, want) < 1e-10, (step, s.result.method)
+    finally:
+        probe.close()
+    assert methods == ["hooks+check", "split-fallback:unmatched-rows", "hooks+check"]
