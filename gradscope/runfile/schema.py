@@ -210,6 +210,10 @@ class RunMeta:
         self.groups = [str(g) for g in self.groups]
         self.group_sizes = [int(n) for n in self.group_sizes]
         self.scalar_names = [str(s) for s in self.scalar_names]
+        for name in ("config", "versions"):  # (a file's JSON attribute may hold any JSON value)
+            if not isinstance(getattr(self, name), Mapping):
+                raise ValueError(f"RunMeta.{name} must be a mapping (a JSON object), got "
+                                 f"{type(getattr(self, name)).__name__}")
         self.config = dict(self.config)
         self.versions = {str(k): str(v) for k, v in self.versions.items()}
         self.validate()

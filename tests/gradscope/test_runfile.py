@@ -648,6 +648,11 @@ BAD_FILES: dict[str, tuple[Any, str]] = {
                         "/committed has shape (4,), expected (5,)"),
     "bad_metadata": (lambda good, d: _modify(good, d / "json.h5", _set_attr("agents", "[not json")),
                      "invalid run metadata"),
+    # (a traceback, exit 1, from info, compare and table)
+    "versions_not_an_object": (lambda good, d: _modify(good, d / "vers.h5", _set_attr("versions", '"abc"')),
+                               "RunMeta.versions must be a mapping"),
+    "config_not_an_object": (lambda good, d: _modify(good, d / "conf.h5", _set_attr("config", "[1, 2]")),
+                             "RunMeta.config must be a mapping"),
     "wrong_record_shape": (lambda good, d: _modify(good, d / "k.h5", _three_agents),
                            "has record shape"),
 }
