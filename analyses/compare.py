@@ -18,7 +18,7 @@ def row(report: Report) -> list[str]:
     s = report.summary
     d = describe(s)
     cliffs = [f for f in report.findings if f.kind == "cliff"]
-    cliff = f"yes ({cliffs[0].onset})" if cliffs else ("no" if "peak" in s else MISSING)
+    cliff = f"yes ({cliffs[0].onset})" if cliffs else ("no" if report.cliff_checked else MISSING)
     return [report.run, d["workflow"], d["task"], d["policy"],
             number(s.get("base")), number(s.get("peak")), number(s.get("final")), number(s.get("delta"), "+.3f"),
             cliff,

@@ -42,6 +42,7 @@ class Report:
     summary: dict[str, Any]
     findings: list[Finding]
     notes: list[str]  # what could not be analysed, and why
+    cliff_checked: bool = True  # the cliff detector ran (≥ 3 evaluations): no cliff finding means "no cliff"
 
     def kinds(self) -> set[str]:
         return {f.kind for f in self.findings}

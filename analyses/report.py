@@ -43,11 +43,12 @@ def analyze_series(series: RunSeries, cfg: AnalysisConfig = AnalysisConfig(), *,
                 notes.append("no role has two or more agents: amplification does not apply")
             if not series.shared_sets:
                 notes.append("no parameter set is shared by two or more roles: capture does not apply")
-    if len(series.accuracy) < 3:
+    checked = len(series.accuracy) >= 3
+    if not checked:
         notes.append(f"{len(series.accuracy)} accuracy evaluation(s): cliff detection needs at least 3")
     else:
         findings += detect_cliff(series, cfg.cliff)
-    return Report(run=series.name, summary=summarize(series), findings=findings, notes=notes)
+    return Report(run=series.name, summary=summarize(series), findings=findings, notes=notes, cliff_checked=checked)
 
 
 def summarize(series: RunSeries) -> dict:

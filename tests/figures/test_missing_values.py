@@ -53,6 +53,15 @@ def test_table_and_titles(runs) -> None:
     assert "---" in format_table(df, "latex")                 # LaTeX's em dash
 
 
+def test_compare_says_no_cliff_only_where_the_detector_ran(capsys, runs) -> None:
+    """A run with fewer than 3 evaluations: `table` says "—", and `compare` said "no" (a cliff ruled out)."""
+    df = summary_table([runs["single"], runs["sp_ok"]])
+    assert df["cliff"].tolist() == [None, False]
+    rows = [re.split(r"\s{2,}", row) for row in _out(capsys, "compare", runs["single"], runs["sp_ok"]).splitlines()]
+    column = rows[0].index("cliff (onset)")
+    assert rows[1][column] == MISSING and rows[2][column] == "no", rows
+
+
 def test_compare_analyze_info(capsys, runs) -> None:
     text = _out(capsys, "compare", runs["sp_noconfig"], runs["sp_noevals"])
     rows = text.splitlines()
