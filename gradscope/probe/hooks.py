@@ -179,19 +179,18 @@ class HooksMethod(GramMethod):
         if not torch.is_grad_enabled() or in_backward():
             return
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        first = tensors[0] if tensors else None
+        held = max(map(positions, tensors), default=0)
         if self._tag is None:
-            self._new_forward = True
-            self._positions = max(map(positions, tensors), default=0)
+            self._new_forward, self._positions = True, held
             self._prune(lambda f: not f.consumed)
             return
         agents, batch_dim, offset = self._tag
+        first = tensors[0] if tensors else None
         dim = batch_dim or 0
         n = first.shape[dim] if first is not None and first.dim() > dim else len(agents) - offset
         if offset + n > len(agents):
             raise ProbeError(f"the model calls inside s.rows(...) hold more rows than its {len(agents)} agents")
-        self._tagged = Forward(tag=agents[offset:offset + n], batch_dim=batch_dim,
-                               positions=max(map(positions, tensors), default=0))
+        self._tagged = Forward(tag=agents[offset:offset + n], batch_dim=batch_dim, positions=held)
         self._forwards.append(self._tagged)
         self._tag = (agents, batch_dim, offset + n)
 
