@@ -365,12 +365,12 @@ class UpdateAttribution:
                              f"got {got}")
         if len(state) != len(self.trackers):
             raise ProbeError(f"update-attribution state of {len(state)} optimizers for {len(self.trackers)} attached")
-        U = len(self.components) - len(UPDATE_EXTRAS)
+        U, layout = len(self.components) - len(UPDATE_EXTRAS), self.layout()
         restored = []
         for moments in state:
-            saved = moments.get("layout", self.layout())  # (states saved before the layout was: shapes checked only)
-            if saved != self.layout():
-                raise ProbeError(f"update-attribution state of {saved}; this probe's: {self.layout()}")
+            saved = moments.get("layout", layout)  # (states saved before the layout was: shapes checked only)
+            if saved != layout:
+                raise ProbeError(f"update-attribution state of {saved}; this probe's: {layout}")
             loaded = {}
             for i, m in moments.items():
                 if i == "layout":
