@@ -1,4 +1,8 @@
-"""``gradscope info``: a plain-text summary of what a run file holds (a missing value reads ``—``)."""
+"""``gradscope info``: a plain-text summary of what a run file holds.
+
+Every measured number goes through :func:`gradscope.labels.number`, so a missing, NaN or infinite value reads
+``—`` wherever it appears (as in every command's text output).
+"""
 from __future__ import annotations
 
 import json
@@ -48,10 +52,9 @@ def _last_record_summary(run: RunReader) -> str:
         cols = derive(run.read("gram", -1)[0], run.read("tokens", -1)[0], meta.agents, meta.agent_roles)
     except Exception as exc:  # noqa: BLE001 - a summary line must never break `info`
         return f"(statistics unavailable: {exc})"
-    total = float(cols["total_norm"])
-    shares = ", ".join(f"{role} {float(cols[f'share/{role}']):.2f}"
+    shares = ", ".join(f"{role} {number(float(cols[f'share/{role}']), '.2f')}"
                        for role in meta.roles if f"share/{role}" in cols)
-    line = f"total norm {total:.4g}; shares: {shares or '(none)'}"
+    line = f"total norm {number(float(cols['total_norm']), '.4g')}; shares: {shares or '(none)'}"
     if meta.update_unit:
         units = meta.roles if meta.update_unit == "role" else meta.agent_roles
         upd = derive_updates(run.read("update_gram", -1)[0], run.read("update_interference", -1)[0], units,
@@ -109,7 +112,7 @@ def render_info(path: str | os.PathLike[str]) -> str:
             acc = evals[evals["name"] == "accuracy"]
             if len(acc):
                 last = acc.iloc[-1]
-                evals_text += f"; last accuracy {last['value']:.4g} at step {int(last['step'])}"
+                evals_text += f"; last accuracy {number(float(last['value']), '.4g')} at step {int(last['step'])}"
         add("evals", evals_text)
         metrics_text = f"{run.n_metrics} rows"
         if run.n_metrics:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -582,6 +583,24 @@ def test_render_info_abbreviates_metric_names(tmp_path: Path) -> None:
     RunWriter(tmp_path / "none.h5", make_meta()).close()
     lines = render_info(tmp_path / "none.h5").splitlines()
     assert any(ln.split() == ["metrics", "0", "rows"] for ln in lines)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_render_info_reads_non_finite_statistics_as_missing(tmp_path: Path, bad: float) -> None:
+    """A last record whose Gram is non-finite and that has no update attribution, and a non-finite last
+    accuracy: every value reads ``—``, as every missing value in ``info`` (the total norm and gradient shares
+    were printed ``nan`` beside update shares printed ``—`` on the same line)."""
+    path = tmp_path / "bad.h5"
+    with RunWriter(path, make_meta(update_unit="role")) as w:
+        w.log_step(0, np.eye(4), [1, 1, 1, 1], policy="voter_lora")
+        w.log_step(1, np.full((4, 4), bad), [1, 1, 1, 1], policy="voter_lora")  # update=None: NaN
+        w.log_eval(1, {"accuracy": bad})
+    text = render_info(path)
+    lines = {ln[:14].strip(): ln[15:] for ln in text.splitlines()}
+    assert lines["last record"] == ("step 1, policy voter_lora: total norm —; shares: voter —, aggregator —; "
+                                    "update shares: voter —, aggregator —, unattributed —, weight_decay —"), text
+    assert lines["evals"] == "1 rows at 1 steps; last accuracy — at step 1", text
+    assert not re.search(r"\b(nan|inf)\b", text, re.IGNORECASE), text
 
 
 def _modify(src: Path, dst: Path, fn: Any) -> Path:
