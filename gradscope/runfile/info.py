@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from gradscope.labels import MISSING, number, text
 from gradscope.runfile.reader import RunReader, open_run
+from gradscope.runfile.schema import RunMeta
+from gradscope.runfile.writer import flush_every_problem
 
 _MAX_NAMES = 8  # list at most this many scalar names / groups before abbreviating
 _LABEL = 14
@@ -39,6 +41,17 @@ def _age(path: str) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min ago"
     return f"{seconds / 3600:.1f} h ago"
+
+
+def _flush_every(meta: RunMeta) -> str:
+    """The writer's records per flush: ``—`` where the file records none (0 or absent), and a value no writer
+    could have used marked invalid (reading ignores it; a resume would take it: :meth:`RunWriter.resume`)."""
+    if not meta.flush_every:
+        return MISSING
+    problem = flush_every_problem(meta)
+    if problem is not None:
+        return f"{meta.flush_every} (invalid: {problem}; a resume refuses it)"
+    return f"{meta.flush_every} records"
 
 
 def _last_record_summary(run: RunReader) -> str:
@@ -94,7 +107,7 @@ def render_info(path: str | os.PathLike[str]) -> str:
         add("groups", _names([f"{g} ({n:,} params)" for g, n in zip(meta.groups, meta.group_sizes)]))
         if meta.config:
             add("config", _clip(json.dumps(meta.config, sort_keys=True)))
-        add("flush every", f"{meta.flush_every} records")
+        add("flush every", _flush_every(meta))
 
         n = run.n_steps
         add("records", f"{n} complete")

@@ -29,7 +29,7 @@ from h5py import h5s
 
 from gradscope.errors import RunFileError
 from gradscope.paths import check_output, fsync
-from gradscope.runfile import schema
+from gradscope.runfile import limits, schema
 from gradscope.runfile.reader import RunReader, is_run_file, open_run
 from gradscope.runfile.schema import RunMeta
 
@@ -43,6 +43,8 @@ RESUME_SUFFIX = ".resume-tmp"
 #: ``RunWriter.resume`` copies records in blocks of about this many bytes.
 _COPY_BYTES = 64 * 1024 * 1024
 _CLOSED = schema.COMMITTED_FIELDS.index("closed")
+#: Records per flush of a writer not told otherwise, and of a resume of a file that records none.
+DEFAULT_FLUSH_EVERY = 10
 
 
 def _chunk_rows(row_bytes: int) -> int:
@@ -108,7 +110,7 @@ class RunWriter:
     To continue an existing run after a restart, use :meth:`resume` instead of the constructor.
     """
 
-    def __init__(self, path: str | os.PathLike[str], meta: RunMeta, flush_every: int = 10, *,
+    def __init__(self, path: str | os.PathLike[str], meta: RunMeta, flush_every: int = DEFAULT_FLUSH_EVERY, *,
                  overwrite: bool = False) -> None:
         flush_every = _as_int(flush_every, "flush_every")
         if flush_every < 1:
@@ -494,12 +496,14 @@ class RunWriter:
         Args:
             path: the run file to continue.
             keep_below_step: first training step to drop (and to be logged again).
-            flush_every: records per flush; default: the old file's ``flush_every``.
+            flush_every: records per flush; default: the old file's ``flush_every``, or
+                :data:`DEFAULT_FLUSH_EVERY` where it records none (0 or absent).
             config: replaces the stored ``RunMeta.config`` (a resumed trainer's settings, e.g. a
                 new step count); default: the old file's.
 
         Raises:
-            RunFileError: the old file cannot be read as a run file, is of a newer schema, or the
+            RunFileError: the old file cannot be read as a run file, is of a newer schema, stores a
+                ``flush_every`` no writer can take (:func:`flush_every_problem`) and none is given, or the
                 new one cannot be written (one line; the old file is unchanged).
             ValueError: ``keep_below_step`` or ``flush_every`` is not a valid integer.
         """
@@ -524,8 +528,13 @@ class RunWriter:
                 meta = dataclasses.replace(old.meta, probe_method=old.configured_probe_method)
                 if config is not None:
                     meta = dataclasses.replace(meta, config=dict(config))
-                if flush_every is None:
-                    flush_every = meta.flush_every if meta.flush_every >= 1 else 10
+                if flush_every is None:  # the old file's, unless it records none
+                    problem = flush_every_problem(meta)
+                    if problem is not None:
+                        raise RunFileError(f"{path}: cannot resume: its flush_every attribute is {meta.flush_every}: "
+                                           f"{problem}; the run file is unchanged (set the attribute to a "
+                                           f"record count, e.g. 10, to resume it)")
+                    flush_every = meta.flush_every or DEFAULT_FLUSH_EVERY
                 w = cls(tmp, meta, flush_every)
                 message = w._copy_below(old, keep)
             w.log_event(keep, "resume", message)
@@ -640,6 +649,26 @@ def committed_below(run: RunReader, step: int) -> dict[str, int]:
     return {"n_steps": int(np.count_nonzero(run.step < step)),
             **{counter: int(np.count_nonzero(run.read_table(name)["step"] < step))
                for name, (_, counter) in schema.TABLES.items()}}
+
+
+def flush_every_problem(meta: RunMeta) -> str | None:
+    """Why a writer cannot take ``meta.flush_every`` (a file's stored one) as its records per flush, in a few
+    words; None when it can, or when the file records none (0, also what an absent attribute reads as).
+
+    A writer buffers ``flush_every`` records in memory: a negative count is no count, and one whose buffers
+    would not fit the read budget (``GRADSCOPE_READ_BUDGET``) is a damaged file's, not a writer's."""
+    n = meta.flush_every
+    if n == 0:
+        return None
+    if n < 0:
+        return "not a number of records >= 1"
+    fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names),
+                                len(meta.update_components))
+    need = n * sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in fields.values())
+    budget = limits.read_budget()
+    if need > budget:
+        return f"buffers of {limits.size_text(need)} in memory, over the read budget of {limits.size_text(budget)}"
+    return None
 
 
 def check_overwrite(path: str | os.PathLike[str]) -> None:

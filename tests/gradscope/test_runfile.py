@@ -466,6 +466,64 @@ def test_resume_repeatedly(tmp_path: Path) -> None:
         assert "kept 10 records, dropped 15" in run.events["message"].iloc[1]
 
 
+def _flush_every(path: Path, value: int) -> None:
+    with h5py.File(path, "r+") as f:
+        f.attrs["flush_every"] = np.int64(value)
+
+
+@pytest.mark.parametrize("stored, line", [
+    (-5, "info: flush every    -5 (invalid: not a number of records >= 1; a resume refuses it)"),
+    (10**12, "info: flush every    1000000000000 (invalid: buffers of 424.7 TiB in memory, over the read budget of "
+             "256.0 MiB; a resume refuses it)"),
+])
+def test_an_invalid_stored_flush_every_is_read_but_not_resumed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch, stored: int,
+                                                                line: str) -> None:
+    """flush_every only told the writer how often to flush: a damaged one (negative, or more records than the
+    buffers' memory allows) is read like any file, with info saying it is invalid; a resume that would take it as
+    its records per flush is one line, exit 2, the file unchanged (it was taken silently as 10, or a MemoryError
+    traceback); an explicit flush_every resumes it."""
+    from gradscope.cli import main
+
+    monkeypatch.setenv("GRADSCOPE_READ_BUDGET", str(256 << 20))
+    path = tmp_path / "run.h5"
+    write_random_run(path, n=12)
+    _flush_every(path, stored)
+    before = path.read_bytes()
+    with pytest.raises(RunFileError) as raised:
+        RunWriter.resume(path, keep_below_step=3)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: cannot resume: its flush_every attribute is {stored}: ") and \
+        message.endswith("; the run file is unchanged (set the attribute to a record count, e.g. 10, to resume it)") \
+        and "\n" not in message, message
+    assert path.read_bytes() == before and not os.path.exists(str(path) + RESUME_SUFFIX)
+    capsys.readouterr()
+    assert main(["info", str(path)]) == 0 and main(["analyze", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "info: " + next(ln for ln in out.splitlines() if ln.startswith("flush every")) == line
+    with RunWriter.resume(path, keep_below_step=3, flush_every=4) as w:
+        assert w.flush_every == 4
+    with open_run(path) as run:
+        assert run.meta.flush_every == 4 and run.n_steps == 6
+
+
+def test_a_run_file_that_records_no_flush_every_resumes_with_the_default(tmp_path: Path) -> None:
+    """flush_every 0 (RunMeta's default: not recorded) or absent: info shows —, a resume flushes every 10 records."""
+    for case in ("zero", "absent"):
+        path = tmp_path / f"{case}.h5"
+        write_random_run(path, n=12)
+        if case == "zero":
+            _flush_every(path, 0)
+        else:
+            with h5py.File(path, "r+") as f:
+                del f.attrs["flush_every"]
+        assert "flush every    —" in render_info(path).splitlines()
+        with RunWriter.resume(path, keep_below_step=3) as w:
+            assert w.flush_every == 10
+        with open_run(path) as run:
+            assert run.meta.flush_every == 10
+
+
 def test_resume_replaces_a_stale_temporary_file(tmp_path: Path) -> None:
     path = tmp_path / "run.h5"
     write_random_run(path)

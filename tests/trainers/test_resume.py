@@ -202,6 +202,26 @@ def test_resume_refuses_a_run_trained_on_other_tasks(tmp_path, capsys, forbid_mo
     assert digest(out) == before
 
 
+@pytest.mark.parametrize("stored", [-5, 10**12])
+def test_resume_refuses_a_run_file_with_a_damaged_flush_every(tmp_path, capsys, stored):
+    """The resumed writer would take the file's flush_every as its records per flush: a negative one was taken
+    silently as 10, a huge one was a MemoryError traceback. One line, exit 2, the file unchanged; the file
+    still reads."""
+    out = tmp_path / "run.h5"
+    assert train("--steps", "1", "--out", str(out)) == 0
+    with h5py.File(out, "r+", libver="latest") as f:
+        f.attrs["flush_every"] = np.int64(stored)
+    before = digest(out)
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"gradscope: error: {out}: cannot resume: its flush_every attribute is {stored}: ") \
+        and line.endswith("; the run file is unchanged (set the attribute to a record count, e.g. 10, to resume it)"), line
+    assert digest(out) == before
+    assert main(["info", str(out)]) == 0
+    assert f"flush every    {stored} (invalid: " in capsys.readouterr().out
+
+
 def test_resume_of_a_run_file_that_does_not_record_its_tasks_warns(tmp_path, capsys):
     out = tmp_path / "run.h5"
     assert train("--steps", "1", "--out", str(out)) == 0
