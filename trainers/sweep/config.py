@@ -32,8 +32,14 @@ import yaml
 from gradscope.errors import ConfigError
 from gradscope.paths import read_text_file
 
-#: Flags the sweep sets itself for every run.
-RESERVED = ("out", "overwrite", "resume")
+#: Flags the sweep sets itself for every run, and what to do instead of setting one.
+RESERVED = {
+    "out": "--out DIR chooses the folder",
+    "overwrite": "a run it cannot resume starts afresh; --out DIR chooses another folder",
+    "resume": "running the same sweep again resumes its killed runs",
+}
+#: An example of the variant axis, for its messages.
+_VARIANT_EXAMPLE = "{none: {}, kl: {kl_coef: 0.05}}"
 TOP_KEYS = ("train", "grid")
 #: The grid axis of named flag sets.
 VARIANT = "variant"
@@ -158,9 +164,11 @@ def _settings(path: Path, node: yaml.MappingNode, fields: dict) -> tuple[Setting
 def _variants(path: Path, node: yaml.Node, fields: dict) -> tuple[Option, ...]:
     """The ``variant`` axis: a mapping of names to mappings of flags (``{}`` for none)."""
     where = _where(path, node.start_mark)
-    if not isinstance(node, yaml.MappingNode) or not node.value:
-        raise SweepError(f"{where}: {VARIANT!r} is a mapping of names to flag mappings, e.g. "
-                         "{none: {}, kl: {kl_coef: 0.05}}")
+    if not isinstance(node, yaml.MappingNode):
+        raise SweepError(f"{where}: {VARIANT!r} must be a mapping of name: {{flag: value}} (e.g. {_VARIANT_EXAMPLE})")
+    if not node.value:
+        raise SweepError(f"{where}: axis {VARIANT!r} has no values (name: {{flag: value}} each, e.g. "
+                         f"{_VARIANT_EXAMPLE})")
     options, names = [], set()
     for name_node, flags_node in node.value:
         name, at = str(name_node.value), _where(path, name_node.start_mark)
@@ -178,7 +186,7 @@ def _flag_name(path: Path, node: yaml.Node, fields: dict, seen: list[str]) -> st
     name = str(node.value).strip().replace("-", "_")
     where = _where(path, node.start_mark)
     if name in RESERVED:
-        raise SweepError(f"{where}: {name!r} is set by the sweep for every run (--out DIR chooses the folder)")
+        raise SweepError(f"{where}: {name!r} is set by the sweep for every run ({RESERVED[name]})")
     if name not in fields:
         close = difflib.get_close_matches(name, list(fields), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
