@@ -47,6 +47,11 @@ _CLOSED = schema.COMMITTED_FIELDS.index("closed")
 DEFAULT_FLUSH_EVERY = 10
 
 
+def _record_bytes(fields: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
+    """Bytes of one record of every ``/steps`` dataset (``fields``: :func:`schema.step_fields`)."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in fields.values())
+
+
 def _chunk_rows(row_bytes: int) -> int:
     """Rows per chunk for a dataset whose records are ``row_bytes`` long (a power of two)."""
     rows = max(1, _CHUNK_BYTES // max(row_bytes, 1))
@@ -562,8 +567,7 @@ class RunWriter:
         """Copy ``old``'s committed rows with ``step < keep`` into this (empty) file; position the
         writer after them. Returns the message of the "resume" event."""
         n = old.n_steps
-        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                        for shape, dtype in self._fields.values())
+        row_bytes = _record_bytes(self._fields)
         block = max(1, _COPY_BYTES // max(row_bytes, 1))
         kept = 0
         last_opt = -1
@@ -664,7 +668,7 @@ def flush_every_problem(meta: RunMeta) -> str | None:
         return "not a number of records >= 1"
     fields = schema.step_fields(len(meta.agents), len(meta.groups), len(meta.scalar_names),
                                 len(meta.update_components))
-    need = n * sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in fields.values())
+    need = n * _record_bytes(fields)
     budget = limits.read_budget()
     if need > budget:
         return f"buffers of {limits.size_text(need)} in memory, over the read budget of {limits.size_text(budget)}"
